@@ -1,0 +1,147 @@
+//! `kv-events` payloads: a list of [`RouterEvent`]s, in MessagePack (the event plane) or
+//! JSON (Dynamo's legacy NATS path and what its `RadixTree` tests feed it).
+
+use super::{CodecError, Envelope, TOPIC_KV_EVENTS, from_msgpack, to_msgpack};
+use crate::event::RouterEvent;
+
+/// Decodes a `kv-events` payload: a MessagePack list of events (what Dynamo 1.6.1 sends),
+/// or a single event map (older publishers).
+pub fn decode(payload: &[u8]) -> Result<Vec<RouterEvent>, CodecError> {
+    match payload.first() {
+        Some(0x80..=0x8f | 0xde | 0xdf) => Ok(vec![from_msgpack("kv event", payload)?]),
+        _ => from_msgpack("kv event list", payload),
+    }
+}
+
+/// Encodes events as a `kv-events` payload (a MessagePack list of named maps).
+pub fn encode(events: &[RouterEvent]) -> Result<Vec<u8>, CodecError> {
+    to_msgpack("kv event list", events)
+}
+
+/// Decodes a whole NATS message: the envelope, then its events.
+pub fn decode_message(message: &[u8]) -> Result<(Envelope<'_>, Vec<RouterEvent>), CodecError> {
+    let env = Envelope::decode_topic(message, TOPIC_KV_EVENTS)?;
+    let events = decode(env.payload)?;
+    Ok((env, events))
+}
+
+/// Encodes events as a whole NATS message.
+pub fn encode_message(
+    publisher_id: u64,
+    sequence: u64,
+    published_at: u64,
+    events: &[RouterEvent],
+) -> Result<Vec<u8>, CodecError> {
+    let payload = encode(events)?;
+    Ok(Envelope {
+        publisher_id,
+        sequence,
+        published_at,
+        topic: TOPIC_KV_EVENTS,
+        payload: &payload,
+    }
+    .encode())
+}
+
+/// Decodes Dynamo's JSON form: one event object, or an array of them.
+pub fn decode_json(bytes: &[u8]) -> Result<Vec<RouterEvent>, CodecError> {
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    let res = if first == Some(&b'[') {
+        serde_json::from_slice(bytes)
+    } else {
+        serde_json::from_slice(bytes).map(|e| vec![e])
+    };
+    res.map_err(|source| CodecError::Json {
+        what: "kv event",
+        source,
+    })
+}
+
+/// Encodes one event in Dynamo's JSON form.
+pub fn encode_json(event: &RouterEvent) -> String {
+    // Every field is a number, string, bool, null, list or map: serialisation cannot fail.
+    serde_json::to_string(event).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{KvCacheEvent, ResidencyDomain};
+    use crate::hash::{LocalBlockHash as L, SequenceBlockHash as S};
+
+    fn sample() -> Vec<RouterEvent> {
+        vec![
+            RouterEvent::new(
+                u64::MAX - 1,
+                KvCacheEvent::stored(1, 0, None, [(L(1), S(2)), (L(3), S(u64::MAX))]),
+            ),
+            RouterEvent::new(5, KvCacheEvent::removed(2, 3, [S(2)])),
+            RouterEvent::new(5, KvCacheEvent::cleared(3, 3)),
+        ]
+    }
+
+    #[test]
+    fn msgpack_round_trip() {
+        let events = sample();
+        let bytes = encode(&events).unwrap();
+        assert_eq!(decode(&bytes).unwrap(), events);
+        let msg = encode_message(1, 2, 3, &events).unwrap();
+        let (env, back) = decode_message(&msg).unwrap();
+        assert_eq!(
+            (env.publisher_id, env.sequence, env.published_at),
+            (1, 2, 3)
+        );
+        assert_eq!(back, events);
+    }
+
+    #[test]
+    fn json_shape_is_dynamos() {
+        let e = &sample()[0];
+        let json = encode_json(e);
+        assert!(json.starts_with(r#"{"worker_id":18446744073709551614,"storage_tier":"device","residency_domain":"worker","event":{"event_id":1,"data":{"stored":{"parent_hash":null"#), "{json}");
+        assert_eq!(decode_json(json.as_bytes()).unwrap(), vec![e.clone()]);
+        let cleared = encode_json(&sample()[2]);
+        assert!(cleared.contains(r#""data":"cleared""#), "{cleared}");
+        let arr = format!("[{json},{cleared}]");
+        assert_eq!(decode_json(arr.as_bytes()).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn unknown_fields_and_missing_optionals() {
+        let json = r#"{"worker_id":7,"future":[1,2],"event":{"event_id":9,"data":{"removed":{"block_hashes":[1],"x":1}}}}"#;
+        let ev = &decode_json(json.as_bytes()).unwrap()[0];
+        assert_eq!(ev.worker_id, 7);
+        assert_eq!(ev.event.dp_rank, 0);
+        assert_eq!(ev.residency_domain, None);
+        assert!(ev.is_worker_owned());
+        let json = r#"{"worker_id":7,"residency_domain":"someday","event":{"event_id":9,"data":"cleared"}}"#;
+        let ev = &decode_json(json.as_bytes()).unwrap()[0];
+        assert_eq!(
+            ev.residency_domain,
+            Some(ResidencyDomain::Unknown("someday".into()))
+        );
+        assert!(!ev.is_worker_owned());
+    }
+
+    #[test]
+    fn malformed_is_an_error() {
+        for bad in [
+            &b""[..],
+            b"\x91",
+            b"\x91\x80",
+            b"\xc1",
+            b"\x91\x84\xa9worker_id\xc0",
+        ] {
+            assert!(decode(bad).is_err(), "{bad:?}");
+        }
+        for bad in [
+            "",
+            "{",
+            "[{}]",
+            r#"{"worker_id":1.5,"event":{"event_id":1,"data":"cleared"}}"#,
+            r#"{"worker_id":1,"event":{"event_id":1,"data":"exploded"}}"#,
+        ] {
+            assert!(decode_json(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! # kvrouter-core
+//!
+//! The pure core of kvrouter, a KV-cache-aware request router for LLM inference fleets:
+//!
+//! * [`worker`] and [`hash`]: who holds a block, and how blocks are named; hashing is
+//!   byte-identical with NVIDIA Dynamo 1.6.1.
+//! * [`event`]: the KV events workers publish (stored, removed, cleared).
+//! * [`codec`]: Dynamo 1.6.1's event-plane wire formats (MessagePack envelope, kv-events,
+//!   replica sync, metrics) and its JSON form of KV events.
+//! * [`index`]: the `Index` trait, the semantics every index obeys, and the reference
+//!   index that is the oracle for the fast ones.
+//! * [`replay`]: replay logs of index operations with expected answers (the conformance
+//!   corpus and the benchmark input).
+//!
+//! **Architecture Invariant:** this crate does no I/O, starts no threads of its own, uses
+//! no async runtime and reads no clock: time is always an argument. It therefore runs
+//! unchanged under loom, proptest, cargo-fuzz and miri. Sockets, files and executors live in
+//! `kvrouter-io`.
+
+pub mod codec;
+pub mod event;
+pub mod hash;
+pub mod index;
+pub mod replay;
+pub mod worker;
+
+pub use event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
+pub use hash::{LocalBlockHash, SequenceBlockHash};
+pub use index::{ApplyError, ApplyOutcome, Index, OverlapScores, ReferenceIndex};
+pub use worker::{DpRank, StorageTier, WorkerDp, WorkerId};

@@ -1,0 +1,32 @@
+//! Every decoder of untrusted bytes: the event-plane envelope, kv-events (msgpack and
+//! JSON), replica sync, metrics, and replay-log lines. None may panic; whatever decodes
+//! must encode again and decode to the same value.
+#![no_main]
+
+use kvrouter_core::codec::{Envelope, kv, metrics, replica};
+use kvrouter_core::replay::parse_line;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(env) = Envelope::decode(data) {
+        let again = env.encode();
+        assert_eq!(Envelope::decode(&again).unwrap(), env);
+        let _ = metrics::heartbeat_worker(&env);
+    }
+    if let Ok(events) = kv::decode(data) {
+        let bytes = kv::encode(&events).unwrap();
+        assert_eq!(kv::decode(&bytes).unwrap(), events);
+    }
+    if let Ok(events) = kv::decode_json(data) {
+        for e in &events {
+            assert_eq!(&kv::decode_json(kv::encode_json(e).as_bytes()).unwrap()[0], e);
+        }
+    }
+    if let Ok(events) = replica::decode(data) {
+        let bytes = replica::encode_batch(&events).unwrap();
+        assert_eq!(replica::decode(&bytes).unwrap(), events);
+    }
+    let _ = metrics::decode_kv_metrics(data);
+    let _ = metrics::decode_forward_pass(data);
+    let _ = parse_line(data);
+});

@@ -1,0 +1,45 @@
+//! The `kvrouter` binary.
+//!
+//! Exit codes: 0 success; 1 a check failed (replay mismatches); 2 bad usage, unreadable
+//! input or any other error.
+
+mod replay;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// KV-cache-aware request router for LLM inference fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kvrouter", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Stream a replay log of index operations through an index and check every answer.
+    Replay(replay::ReplayArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVROUTER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Replay(args) => replay::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! # kvrouter-io
+//!
+//! Everything in kvrouter that touches the outside world, over the pure `kvrouter-core`:
+//!
+//! * [`log`]: reading replay logs (plain or zstd-compressed JSON lines) from files or
+//!   memory.
+//!
+//! **Architecture Invariant:** `io` depends on `core`, never the other way round.
+
+pub mod log;
