@@ -10,7 +10,7 @@ if [ ! -d "$dir" ]; then
 fi
 cargo build --release --locked -p kvrouter
 for log in "$dir"/*.jsonl*; do
-    for index in reference; do
+    for index in reference tree; do
         echo "== $log --index $index"
         ./target/release/kvrouter replay --check "$log" --index "$index"
     done

@@ -103,6 +103,14 @@ impl Visitor<'_> for HashVisitor {
     }
 }
 
+/// Views local hashes as their raw `u64`s (free: the newtype is `repr(transparent)`).
+#[inline]
+pub fn local_hashes_as_u64(hashes: &[LocalBlockHash]) -> &[u64] {
+    // SAFETY: `LocalBlockHash` is `repr(transparent)` over `u64`, so a slice of one has the
+    // layout of a slice of the other; the lifetime is carried over.
+    unsafe { std::slice::from_raw_parts(hashes.as_ptr().cast::<u64>(), hashes.len()) }
+}
+
 /// Request-wide identity mixed into every local hash: which adapter and which cache
 /// namespace the blocks belong to. Empty strings count as absent (as in Dynamo).
 #[derive(Debug, Clone, Copy, Default)]

@@ -22,9 +22,10 @@ pub mod event;
 pub mod hash;
 pub mod index;
 pub mod replay;
+mod sync;
 pub mod worker;
 
 pub use event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
 pub use hash::{LocalBlockHash, SequenceBlockHash};
-pub use index::{ApplyError, ApplyOutcome, Index, OverlapScores, ReferenceIndex};
+pub use index::{ApplyError, ApplyOutcome, Index, OverlapScores, ReferenceIndex, TreeIndex};
 pub use worker::{DpRank, StorageTier, WorkerDp, WorkerId};

@@ -54,9 +54,12 @@
 //! An index holds one storage tier: the caller routes each event to the index of its tier
 //! and applies only worker-owned events ([`RouterEvent::is_worker_owned`]).
 
+pub mod ops;
 mod reference;
+pub mod tree;
 
 pub use reference::ReferenceIndex;
+pub use tree::{ShardWriter, TreeIndex, TreeReader};
 
 use crate::event::RouterEvent;
 use crate::hash::{LocalBlockHash, SequenceBlockHash};

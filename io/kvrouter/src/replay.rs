@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kvrouter_core::index::{Index, ReferenceIndex};
+use kvrouter_core::index::{Index, ReferenceIndex, TreeIndex};
 use kvrouter_core::replay::ReplayChecker;
 use kvrouter_io::log::LogReader;
 
@@ -33,12 +33,15 @@ pub(crate) struct ReplayArgs {
 pub(crate) enum IndexKind {
     /// The reference index (hash maps; the oracle).
     Reference,
+    /// The lock-free sharded radix tree, driven from one thread (one shard).
+    Tree,
 }
 
 impl IndexKind {
     fn build(self) -> Box<dyn Index> {
         match self {
             IndexKind::Reference => Box::new(ReferenceIndex::new()),
+            IndexKind::Tree => Box::new(TreeIndex::new(1)),
         }
     }
 }

@@ -1,0 +1,267 @@
+//! The lock-free index: a radix tree sharded by worker, one writer per shard, lock-free
+//! `find_matches` from any thread under crossbeam-epoch guards.
+//!
+//! # Shape, and why
+//!
+//! Workers are partitioned into **shards** (`shard_for(worker_id)`; all dp ranks of a
+//! worker in one shard). Each shard is a compressed radix tree with exactly **one writer**,
+//! the [`ShardWriter`], which a thread-per-core runtime pins to one core: every event of a
+//! worker is applied by that core, so per-worker order needs no lock and the writer never
+//! contends with another writer (no CAS loops, no lock on shared nodes). Readers
+//! ([`TreeReader`]) walk every shard's tree and merge the scores; worker sets of shards are
+//! disjoint, so merging is concatenation.
+//!
+//! The alternative — one tree shared by all writer cores, with atomic worker bitsets per
+//! node — saves the per-shard walks (one walk instead of S) and shares prefixes across
+//! shards, but every structural change (a new child, an eviction that frees a node) would
+//! need writer-writer synchronisation on shared nodes, and Dynamo's own notes found its
+//! prefix-sharded variant fast only while it was wrong. We choose the design whose
+//! correctness argument is a single-writer one, and pay S walks per lookup; S is the number
+//! of writer cores (1–4 on the machines we target), and each walk stops as soon as no worker
+//! of that shard matches.
+//!
+//! # The tree
+//!
+//! A node ([`raw::node`]) is a compressed path: an edge of local hashes. **Blocks never
+//! move**: a branch in the middle of an edge is a child *attached* at that position
+//! (children are keyed by `(attach position, first local hash)`), not a split, so a
+//! worker's map from sequence hash to `(node, position)` stays valid for the block's whole
+//! life. Each worker holds a prefix `[0, cutoff)` of every node it touches (prefix closure);
+//! per node, dense **worker-slot bitsets** `full` (holds the whole edge) and `any` (holds
+//! the first block), plus a short `partial` list of `(slot, cutoff)` for the rest. A lookup
+//! therefore costs O(depth) word operations, plus one step per worker that drops out.
+//!
+//! Memory is **bounded by construction**: when the last worker drops a block, the edge is
+//! trimmed (and compacted when mostly slack); a node nobody holds is unlinked at once and
+//! freed through the epoch collector; no node without a live block survives an event
+//! (`tests/index_tree.rs` checks node counts against block counts). Per cached block we
+//! keep 8 bytes of local hash (shared by all its holders) and one 16-byte entry in the
+//! holder's hash map (sequence hash → node, position) at up to 7/8 load. Sequence hashes are
+//! not stored in the tree: the rare operations that need a worker's names below a block (a
+//! removal in the middle of a chain, a renamed path) scan that worker's map.
+//!
+//! # Writers and readers
+//!
+//! [`writer`] applies events; [`reader`] answers lookups. The lock-free building blocks are
+//! in [`raw`], each with its invariants. All memory that a reader can reach is freed only by
+//! `defer_destroy` after it is unlinked, so a pinned reader never touches freed memory.
+//!
+//! # Consistency
+//!
+//! A lookup never blocks and is never blocked. While a write is in flight it may observe:
+//!
+//! * for each worker, a score between the lowest and the highest score that worker had at
+//!   some moment during the lookup — in particular a count that is **briefly short** while
+//!   blocks are being stored, or **briefly long** (the blocks of an eviction in progress);
+//! * never a block that the worker did not hold at some moment during the lookup, and never
+//!   a path that did not exist (blocks are immutable once published; edge cells are never
+//!   rewritten while a reader may read them);
+//! * scores of different workers from slightly different moments (the answer is not an
+//!   atomic snapshot across workers);
+//! * never a worker's slot attributed to another worker: slots of removed workers are
+//!   reused only after a grace period.
+//!
+//! Once the writer has applied an event and the lookup starts after that, the lookup sees
+//! the event (`Release` on publication, `Acquire` on every load a lookup makes).
+
+mod blockmap;
+pub(crate) mod raw;
+mod reader;
+mod writer;
+
+use std::sync::Arc;
+
+use writer::ShardShared;
+pub use writer::ShardWriter;
+
+use super::{ApplyError, ApplyOutcome, Index, OverlapScores, WorkerSummary};
+use crate::event::RouterEvent;
+use crate::hash::{LocalBlockHash, local_hashes_as_u64};
+use crate::worker::{WorkerDp, WorkerId};
+
+/// The shard that owns `worker_id` among `shards` shards.
+#[inline]
+pub fn shard_for(worker_id: WorkerId, shards: usize) -> usize {
+    ((worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % shards as u64) as usize
+}
+
+impl ShardWriter {
+    /// Applies one event of a worker of this shard.
+    pub fn apply_event(&mut self, event: &RouterEvent) -> Result<ApplyOutcome, ApplyError> {
+        let guard = crossbeam_epoch::pin();
+        self.apply_in(event, &guard)
+    }
+
+    /// Applies a batch of events under one epoch pin; returns the outcomes merged and the
+    /// first error.
+    pub fn apply_batch<'a>(
+        &mut self,
+        events: impl IntoIterator<Item = &'a RouterEvent>,
+    ) -> (ApplyOutcome, Option<ApplyError>) {
+        let guard = crossbeam_epoch::pin();
+        let mut total = ApplyOutcome::default();
+        let mut first_err = None;
+        for e in events {
+            match self.apply_in(e, &guard) {
+                Ok(o) => total.merge(o),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        (total, first_err)
+    }
+
+    /// Drops every block of one (worker, dp rank) of this shard.
+    pub fn clear_worker(&mut self, worker: WorkerDp) -> usize {
+        self.clear_in(worker, &crossbeam_epoch::pin())
+    }
+
+    /// Drops and forgets every dp rank of `worker_id`.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
+        self.remove_worker_in(worker_id, &crossbeam_epoch::pin())
+    }
+
+    /// The workers of this shard.
+    pub fn workers(&self) -> Vec<WorkerSummary> {
+        let mut v: Vec<WorkerSummary> = self.summaries().collect();
+        v.sort_by_key(|s| s.worker);
+        v
+    }
+
+    /// Blocks held by this shard's workers.
+    pub fn block_count(&self) -> usize {
+        self.blocks_held()
+    }
+
+    /// Heap bytes of this shard.
+    pub fn heap_bytes(&self) -> usize {
+        self.heap_bytes_in(&crossbeam_epoch::pin())
+    }
+
+    /// Live tree nodes of this shard (without the root).
+    pub fn node_count(&self) -> usize {
+        self.live_nodes()
+    }
+
+    /// Events that rebuild this shard's state.
+    pub fn dump(&self) -> Vec<RouterEvent> {
+        self.dump_in(&crossbeam_epoch::pin())
+    }
+}
+
+/// A cheap, cloneable handle for lock-free lookups from any thread.
+#[derive(Debug, Clone)]
+pub struct TreeReader {
+    shards: Arc<[Arc<ShardShared>]>,
+}
+
+impl TreeReader {
+    /// Writes the scores of `query` into `out` (cleared first).
+    pub fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
+        out.clear();
+        let q = local_hashes_as_u64(query);
+        let guard = crossbeam_epoch::pin();
+        for shard in self.shards.iter() {
+            reader::find_in_shard(shard, q, out, &guard);
+        }
+        out.finish();
+    }
+
+    /// The scores of `query`.
+    pub fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {
+        let mut out = OverlapScores::new();
+        self.find_matches_into(query, &mut out);
+        out
+    }
+}
+
+/// The lock-free index driven from one thread: owns every shard's writer and applies each
+/// event on the calling thread. For the thread-per-core deployment, take the writers apart
+/// with [`TreeIndex::into_parts`] and give each to its core.
+#[derive(Debug)]
+pub struct TreeIndex {
+    writers: Vec<ShardWriter>,
+    reader: TreeReader,
+}
+
+impl Default for TreeIndex {
+    fn default() -> Self {
+        Self::new(1)
+    }
+}
+
+impl TreeIndex {
+    /// An empty index with `shards` shards (at least one).
+    pub fn new(shards: usize) -> Self {
+        let writers: Vec<ShardWriter> = (0..shards.max(1)).map(|_| ShardWriter::new()).collect();
+        let reader = TreeReader {
+            shards: writers.iter().map(|w| Arc::clone(w.shared())).collect(),
+        };
+        Self { writers, reader }
+    }
+
+    /// A lookup handle that stays valid while the writers live.
+    pub fn reader(&self) -> TreeReader {
+        self.reader.clone()
+    }
+
+    /// The per-shard writers (route each worker with [`shard_for`]) and a reader.
+    pub fn into_parts(self) -> (Vec<ShardWriter>, TreeReader) {
+        (self.writers, self.reader)
+    }
+
+    fn writer_for(&mut self, worker_id: WorkerId) -> &mut ShardWriter {
+        let n = self.writers.len();
+        &mut self.writers[shard_for(worker_id, n)]
+    }
+
+    /// Heap bytes held by the index (nodes, edges, tables, block maps).
+    pub fn heap_bytes(&self) -> usize {
+        self.writers.iter().map(|w| w.heap_bytes()).sum()
+    }
+
+    /// Live tree nodes (without roots).
+    pub fn node_count(&self) -> usize {
+        self.writers.iter().map(|w| w.node_count()).sum()
+    }
+}
+
+impl Index for TreeIndex {
+    fn name(&self) -> &'static str {
+        "tree"
+    }
+
+    fn apply(&mut self, event: RouterEvent) -> Result<ApplyOutcome, ApplyError> {
+        self.writer_for(event.worker_id).apply_event(&event)
+    }
+
+    fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
+        self.reader.find_matches_into(query, out);
+    }
+
+    fn clear(&mut self, worker: WorkerDp) -> usize {
+        self.writer_for(worker.worker_id).clear_worker(worker)
+    }
+
+    fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
+        self.writer_for(worker_id).remove_worker(worker_id)
+    }
+
+    fn workers(&self) -> Vec<WorkerSummary> {
+        let mut v: Vec<WorkerSummary> = self.writers.iter().flat_map(|w| w.workers()).collect();
+        v.sort_by_key(|s| s.worker);
+        v
+    }
+
+    fn block_count(&self) -> usize {
+        self.writers.iter().map(|w| w.block_count()).sum()
+    }
+
+    fn dump(&self) -> Vec<RouterEvent> {
+        let mut events: Vec<RouterEvent> = self.writers.iter().flat_map(|w| w.dump()).collect();
+        // Group by worker, keeping each worker's parent-first order.
+        events.sort_by_key(|e| e.worker());
+        events
+    }
+}

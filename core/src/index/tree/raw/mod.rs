@@ -1,0 +1,10 @@
+//! The lock-free primitives of the shard tree: bitsets, edge buffers, child tables, partial
+//! holder lists and the node that ties them together. Each module states its invariants and
+//! what a concurrent reader may observe; `writer.rs` and `reader.rs` use them only through
+//! those rules.
+
+pub(crate) mod bits;
+pub(crate) mod children;
+pub(crate) mod edge;
+pub(crate) mod node;
+pub(crate) mod partial;

@@ -1,0 +1,106 @@
+//! The reader-visible node of a shard tree.
+//!
+//! A node is a compressed path: `edge` holds the local hashes of consecutive blocks.
+//! Children hang at any position `1..=len` of the edge (`attach`), keyed by
+//! `(attach, first local hash)`, so blocks never move between nodes once stored: a branch
+//! in the middle of an edge is a child attached there, not a split. Every worker that holds
+//! any block of the node holds a prefix `[0, cutoff)` of its edge (prefix closure): the
+//! workers whose cutoff is the whole published length are in `full`, the others are in
+//! `partial`, all of them are in `any`.
+//!
+//! `attach`, `first` and `id` never change. Everything else is written only by the shard's
+//! writer and read under an epoch guard; each field's module documents its protocol.
+
+use crossbeam_epoch::{Atomic, Guard};
+
+use super::bits::AtomicBits;
+use super::children::ChildTable;
+use super::edge::Edge;
+use super::partial::Partials;
+use crate::sync::Ordering;
+
+/// See the [module docs](self).
+#[derive(Debug)]
+pub(crate) struct Node {
+    /// Position in the parent's edge this node hangs at (0 for children of the root).
+    pub(crate) attach: u32,
+    /// Local hash of the first block (the child-table key with `attach`).
+    pub(crate) first: u64,
+    /// The writer's id for this node.
+    pub(crate) id: u32,
+    /// The compressed path.
+    pub(crate) edge: Atomic<Edge>,
+    /// Workers holding the whole published edge.
+    pub(crate) full: AtomicBits,
+    /// Workers holding at least the first block.
+    pub(crate) any: AtomicBits,
+    /// Workers holding a shorter prefix, with their cutoffs.
+    pub(crate) partial: Atomic<Partials>,
+    /// Children, or null.
+    pub(crate) children: Atomic<ChildTable>,
+}
+
+impl Node {
+    /// A node holding `blocks` in an edge of capacity `cap`, with no holders yet.
+    pub(crate) fn new(
+        attach: u32,
+        id: u32,
+        blocks: impl ExactSizeIterator<Item = u64>,
+        cap: usize,
+    ) -> Self {
+        let blocks: Vec<u64> = blocks.collect();
+        Self {
+            attach,
+            first: blocks.first().copied().unwrap_or(0),
+            id,
+            edge: Atomic::new(Edge::new(blocks.into_iter(), cap)),
+            full: AtomicBits::new(),
+            any: AtomicBits::new(),
+            partial: Atomic::null(),
+            children: Atomic::null(),
+        }
+    }
+
+    /// Heap bytes this node owns (excluding children), for memory accounting.
+    pub(crate) fn heap_bytes(&self, guard: &Guard) -> usize {
+        let mut n = std::mem::size_of::<Node>() + 16;
+        // SAFETY: the fields are published by the writer and freed only through the
+        // collector after being replaced, so they outlive `guard`.
+        unsafe {
+            if let Some(e) = self.edge.load(Ordering::Acquire, guard).as_ref() {
+                n += std::mem::size_of::<Edge>() + 16 + e.cap() * 8;
+            }
+            if let Some(p) = self.partial.load(Ordering::Acquire, guard).as_ref() {
+                n += 32 + p.cap() * 8;
+            }
+            if let Some(c) = self.children.load(Ordering::Acquire, guard).as_ref() {
+                n += 32 + c.cap() * 8;
+            }
+        }
+        n + self.full.heap_bytes(guard) + self.any.heap_bytes(guard)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: the node is unreachable (retired and past its grace period, or
+        // never shared), so nobody else can load these pointers; each was created by
+        // `Owned::new` and is dropped once here.
+        unsafe {
+            let g = crossbeam_epoch::unprotected();
+            for p in [self.edge.load(Ordering::Relaxed, g)] {
+                if !p.is_null() {
+                    drop(p.into_owned());
+                }
+            }
+            let p = self.partial.load(Ordering::Relaxed, g);
+            if !p.is_null() {
+                drop(p.into_owned());
+            }
+            let c = self.children.load(Ordering::Relaxed, g);
+            if !c.is_null() {
+                drop(c.into_owned());
+            }
+        }
+    }
+}

@@ -1,0 +1,1041 @@
+//! The shard writer: applies one shard's events to its tree. Single-threaded by
+//! construction (`ShardWriter` is `Send` but not `Sync`, and every mutation takes
+//! `&mut self`), so per-worker event order needs no lock.
+//!
+//! The writer keeps its own plain bookkeeping per node (`Meta`: parent, holders and their
+//! cutoffs, counts) next to the reader-visible [`Node`]; readers never see `Meta`. Every
+//! reader-visible change goes through a handful of routines whose store order is what the
+//! Consistency section of the [parent module](super) promises:
+//!
+//! * [`ShardWriter::set_coverage`] changes one worker's cutoff on one node. Coverage that
+//!   grows is published before the worker is added to `any`; coverage that shrinks is
+//!   published (worker moved from `full` to `partial`, or its cutoff lowered) *before* the
+//!   edge is trimmed, and workers promoted to `full` by a trim are promoted only *after* it.
+//!   At no moment can a reader compute a cutoff above the worker's true one, except the true
+//!   one of an instant ago.
+//! * [`ShardWriter::append`] extends the edge of a node held by exactly one worker: the new
+//!   cells are written first, then the length is published with `Release`.
+//! * [`ShardWriter::new_child`] builds a node completely, then links it into its parent's
+//!   child table with a `Release` store.
+//! * [`ShardWriter::prune`] unlinks a node that no worker holds and hands it to the epoch
+//!   collector; it is freed once every reader that might have reached it has unpinned.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
+use smallvec::SmallVec;
+
+use super::blockmap::BlockMap;
+use super::raw::children::ChildTable;
+use super::raw::edge::Edge;
+use super::raw::node::Node;
+use super::raw::partial::Partials;
+use crate::event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
+use crate::hash::{LocalBlockHash, SequenceBlockHash};
+use crate::index::{ApplyError, ApplyOutcome, WorkerSummary};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::worker::{WorkerDp, WorkerId};
+
+pub(crate) type NodeId = u32;
+pub(crate) const ROOT: NodeId = 0;
+const NO_PARTIAL: u32 = u32::MAX;
+
+#[inline]
+fn pack(node: NodeId, pos: u32) -> u64 {
+    (node as u64) << 32 | pos as u64
+}
+
+#[inline]
+fn unpack(v: u64) -> (NodeId, u32) {
+    ((v >> 32) as NodeId, v as u32)
+}
+
+/// One worker's hold on one node.
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    slot: u32,
+    /// The worker holds blocks `[0, cutoff)` of the edge.
+    cutoff: u32,
+    /// Index of its entry in the node's partial list, or `NO_PARTIAL` while it is `full`.
+    partial: u32,
+    /// Children of this node that the worker holds.
+    kids: u32,
+    /// An upper bound of those children's attach positions (exact while `kids == 0`).
+    max_kid_attach: u32,
+}
+
+/// Writer-only bookkeeping of a node.
+#[derive(Debug)]
+struct Meta {
+    node: *const Node,
+    parent: NodeId,
+    attach: u32,
+    /// Published edge length (mirror of the buffer's `len`).
+    len: u32,
+    /// Highest length ever published for the current buffer (cells below are read-only).
+    hwm: u32,
+    cap: u32,
+    holders: SmallVec<[Holder; 2]>,
+    child_live: u32,
+    /// Live children plus tombstones in the child table.
+    child_used: u32,
+    child_cap: u32,
+    partial_cap: u32,
+}
+
+impl Meta {
+    fn vacant() -> Self {
+        Meta {
+            node: std::ptr::null(),
+            parent: ROOT,
+            attach: 0,
+            len: 0,
+            hwm: 0,
+            cap: 0,
+            holders: SmallVec::new(),
+            child_live: 0,
+            child_used: 0,
+            child_cap: 0,
+            partial_cap: 0,
+        }
+    }
+
+    fn holder(&self, slot: u32) -> Option<usize> {
+        self.holders.iter().position(|h| h.slot == slot)
+    }
+
+    fn cutoff(&self, slot: u32) -> u32 {
+        self.holder(slot).map_or(0, |i| self.holders[i].cutoff)
+    }
+}
+
+/// Slot -> worker, readable by readers. Grows by copy; retired tables are freed by the
+/// collector.
+#[derive(Debug)]
+pub(crate) struct SlotTable {
+    workers: Box<[AtomicU64]>,
+    ranks: Box<[AtomicU32]>,
+}
+
+impl SlotTable {
+    fn with_capacity(cap: usize) -> Self {
+        Self {
+            workers: (0..cap).map(|_| AtomicU64::new(0)).collect(),
+            ranks: (0..cap).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+
+    /// The worker in `slot`.
+    #[inline]
+    pub(crate) fn get(&self, slot: u32) -> WorkerDp {
+        let s = slot as usize;
+        WorkerDp::new(
+            self.workers[s].load(Ordering::Relaxed),
+            self.ranks[s].load(Ordering::Relaxed),
+        )
+    }
+
+    pub(crate) fn cap(&self) -> usize {
+        self.workers.len()
+    }
+}
+
+/// The part of a shard that readers see.
+#[derive(Debug)]
+pub(crate) struct ShardShared {
+    pub(crate) root: Node,
+    pub(crate) slots: Atomic<SlotTable>,
+}
+
+impl Drop for ShardShared {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: no reader or writer remains; the table was created by
+        // `Owned::new` and is freed once.
+        unsafe {
+            let t = self
+                .slots
+                .load(Ordering::Relaxed, crossbeam_epoch::unprotected());
+            if !t.is_null() {
+                drop(t.into_owned());
+            }
+        }
+    }
+}
+
+// SAFETY: all reader-visible state is atomics, or cells whose access protocol is documented
+// in `raw::edge`; raw pointers inside are only dereferenced under an epoch guard.
+unsafe impl Send for ShardShared {}
+// SAFETY: as above.
+unsafe impl Sync for ShardShared {}
+
+#[derive(Debug)]
+struct SlotState {
+    worker: WorkerDp,
+    blocks: BlockMap,
+    last_event_id: Option<u64>,
+}
+
+/// See the [module docs](self).
+#[derive(Debug)]
+pub struct ShardWriter {
+    shared: Arc<ShardShared>,
+    nodes: Vec<Meta>,
+    free_ids: Vec<NodeId>,
+    slots: Vec<Option<SlotState>>,
+    slot_of: HashMap<WorkerDp, u32>,
+    /// Slots freed by `remove_worker`, handed back after a grace period so that no pinned
+    /// reader can attribute an old worker's bits to a new one.
+    recycled: Arc<Mutex<Vec<u32>>>,
+    blocks: usize,
+}
+
+// SAFETY: the raw node pointers in `Meta` point into nodes owned by this writer's tree
+// (reachable from `shared`); the writer may move to another thread as a whole.
+unsafe impl Send for ShardWriter {}
+
+impl ShardWriter {
+    pub(crate) fn new() -> Self {
+        let shared = Arc::new(ShardShared {
+            root: Node::new(0, ROOT, std::iter::empty(), 0),
+            slots: Atomic::new(SlotTable::with_capacity(64)),
+        });
+        let mut root = Meta::vacant();
+        root.node = &shared.root;
+        Self {
+            shared,
+            nodes: vec![root],
+            free_ids: Vec::new(),
+            slots: Vec::new(),
+            slot_of: HashMap::new(),
+            recycled: Arc::new(Mutex::new(Vec::new())),
+            blocks: 0,
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<ShardShared> {
+        &self.shared
+    }
+
+    #[inline]
+    fn node(&self, id: NodeId) -> &Node {
+        // SAFETY: `nodes[id].node` points to a live node of this tree: ids are freed (and
+        // their nodes retired) only in `prune`, after which no map entry or parent refers
+        // to them.
+        unsafe { &*self.nodes[id as usize].node }
+    }
+
+    /// Local hash at `pos` of node `id`.
+    #[inline]
+    fn local_at(&self, id: NodeId, pos: u32, guard: &Guard) -> u64 {
+        let edge = self.node(id).edge.load(Ordering::Acquire, guard);
+        // SAFETY: the writer's own edge buffer; `pos < len <= hwm`, cells below hwm are
+        // never written again.
+        unsafe { edge.deref().get(pos as usize) }
+    }
+
+    // ---------------------------------------------------------------- slots
+
+    fn slot_for(&mut self, worker: WorkerDp, guard: &Guard) -> u32 {
+        if let Some(&s) = self.slot_of.get(&worker) {
+            return s;
+        }
+        let recycled = self.recycled.lock().map(|mut r| r.pop()).unwrap_or(None);
+        let slot = recycled.unwrap_or(self.slots.len() as u32);
+        if slot as usize == self.slots.len() {
+            self.slots.push(None);
+        }
+        let table = self.shared.slots.load(Ordering::Acquire, guard);
+        // SAFETY: the slot table is replaced only here, by this writer.
+        let cur = unsafe { table.deref() };
+        if slot as usize >= cur.cap() {
+            let grown = SlotTable::with_capacity(cur.cap() * 2);
+            for i in 0..cur.cap() {
+                grown.workers[i].store(cur.workers[i].load(Ordering::Relaxed), Ordering::Relaxed);
+                grown.ranks[i].store(cur.ranks[i].load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            self.shared
+                .slots
+                .store(Owned::new(grown), Ordering::Release);
+            // SAFETY: unreachable from `shared` now; freed after current readers unpin.
+            unsafe { guard.defer_destroy(table) };
+        }
+        // SAFETY: as above; loaded again after a possible replacement.
+        let t = unsafe { self.shared.slots.load(Ordering::Acquire, guard).deref() };
+        t.workers[slot as usize].store(worker.worker_id, Ordering::Relaxed);
+        t.ranks[slot as usize].store(worker.dp_rank, Ordering::Relaxed);
+        // `Release` inside `set`: a reader that sees this bit sees the table entry.
+        self.shared.root.any.set(slot, guard);
+        self.slots[slot as usize] = Some(SlotState {
+            worker,
+            blocks: BlockMap::new(),
+            last_event_id: None,
+        });
+        self.slot_of.insert(worker, slot);
+        slot
+    }
+
+    fn map(&self, slot: u32) -> &BlockMap {
+        &self.slots[slot as usize]
+            .as_ref()
+            .expect("allocated slot")
+            .blocks
+    }
+
+    fn state(&mut self, slot: u32) -> &mut SlotState {
+        self.slots[slot as usize].as_mut().expect("allocated slot")
+    }
+
+    // ---------------------------------------------------------------- apply
+
+    pub(crate) fn apply_in(
+        &mut self,
+        event: &RouterEvent,
+        guard: &Guard,
+    ) -> Result<ApplyOutcome, ApplyError> {
+        let worker = event.worker();
+        let slot = self.slot_for(worker, guard);
+        let event_id = event.event.event_id;
+        self.state(slot).last_event_id = Some(event_id);
+        match &event.event.data {
+            KvEventData::Stored(s) => {
+                self.apply_stored(slot, worker, event_id, s.parent_hash, &s.blocks, guard)
+            }
+            KvEventData::Removed(r) => {
+                let mut out = ApplyOutcome::default();
+                for h in &r.block_hashes {
+                    match self.state(slot).blocks.remove(h.0) {
+                        Some(loc) => out.removed += self.drop_from(slot, loc, guard),
+                        None => out.not_found += 1,
+                    }
+                }
+                self.blocks -= out.removed as usize;
+                Ok(out)
+            }
+            KvEventData::Cleared => {
+                let removed = self.clear_slot(slot, guard) as u32;
+                Ok(ApplyOutcome {
+                    removed,
+                    ..Default::default()
+                })
+            }
+        }
+    }
+
+    /// Whether block `a` is `b` or one of its ancestors.
+    fn is_ancestor_or_self(&self, a: (NodeId, u32), b: (NodeId, u32)) -> bool {
+        let (mut n, mut pos) = b;
+        loop {
+            if n == a.0 {
+                return a.1 <= pos;
+            }
+            if n == ROOT {
+                return false;
+            }
+            let m = &self.nodes[n as usize];
+            if m.parent == ROOT {
+                return false;
+            }
+            pos = m.attach - 1;
+            n = m.parent;
+        }
+    }
+
+    /// Where a block with local hash `local` goes after position `next - 1` of node `n`:
+    /// the next cell of `n`'s edge, or the first cell of a child, or `None` (new storage).
+    fn locate(&self, n: NodeId, next: u32, local: u64, guard: &Guard) -> Option<(NodeId, u32)> {
+        let m = &self.nodes[n as usize];
+        if n != ROOT && next < m.len && self.local_at(n, next, guard) == local {
+            return Some((n, next));
+        }
+        let table = self.node(n).children.load(Ordering::Acquire, guard);
+        // SAFETY: the writer's own child table.
+        let child = unsafe { table.as_ref() }?.get(next, local, guard)?;
+        Some((child.id, 0))
+    }
+
+    fn apply_stored(
+        &mut self,
+        slot: u32,
+        worker: WorkerDp,
+        event_id: u64,
+        parent: Option<SequenceBlockHash>,
+        blocks: &[StoredBlock],
+        guard: &Guard,
+    ) -> Result<ApplyOutcome, ApplyError> {
+        let parent_loc = match parent {
+            None => None,
+            Some(h) => Some(unpack(self.state(slot).blocks.get(h.0).ok_or(
+                ApplyError::ParentNotFound {
+                    worker,
+                    event_id,
+                    parent: h,
+                },
+            )?)),
+        };
+        let invalid = |block| ApplyError::InvalidBlockSequence {
+            worker,
+            event_id,
+            block,
+        };
+        let mut chain = HashSet::with_capacity(blocks.len());
+        for b in blocks {
+            if !chain.insert(b.block_hash) {
+                return Err(invalid(b.block_hash));
+            }
+        }
+        if let Some(p) = parent.filter(|p| chain.contains(p)) {
+            return Err(invalid(p));
+        }
+        if let Some(ploc) = parent_loc {
+            for b in blocks {
+                let held = self.map(slot).get(b.block_hash.0);
+                if held.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)) {
+                    return Err(invalid(b.block_hash));
+                }
+            }
+        }
+
+        let mut out = ApplyOutcome::default();
+        let (mut n, mut next) = parent_loc.map_or((ROOT, 0), |(n, p)| (n, p + 1));
+        let mut i = 0;
+        while i < blocks.len() {
+            let b = &blocks[i];
+            let ext = b.block_hash.0;
+            let mut target = self.locate(n, next, b.tokens_hash.0, guard);
+            if let Some(old) = self.map(slot).get(ext) {
+                if target.map(|(t, p)| pack(t, p)) == Some(old) {
+                    out.duplicate += 1;
+                    (n, next) = target
+                        .map(|(t, p)| (t, p + 1))
+                        .expect("duplicate has a target");
+                    i += 1;
+                    continue;
+                }
+                // A moved hash: drop the old block and what the worker holds below it.
+                self.state(slot).blocks.remove(ext);
+                let dropped = self.drop_from(slot, old, guard);
+                self.blocks -= dropped as usize;
+                out.removed += dropped;
+                target = self.locate(n, next, b.tokens_hash.0, guard);
+            }
+            match target {
+                Some((t, p)) if self.nodes[t as usize].cutoff(slot) > p => {
+                    // A renamed path: same block, new name.
+                    let loc = pack(t, p);
+                    self.state(slot).blocks.remove_where(|_, v| v == loc);
+                    self.state(slot).blocks.insert(ext, loc);
+                    out.stored += 1;
+                    (n, next) = (t, p + 1);
+                    i += 1;
+                }
+                Some((t, p)) => {
+                    // Extend the worker's coverage along an existing edge as far as the
+                    // chain follows it with fresh names.
+                    let len = self.nodes[t as usize].len;
+                    let mut k = 0;
+                    while i + k < blocks.len()
+                        && p + (k as u32) < len
+                        && (k == 0
+                            || self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0)
+                        && self.map(slot).get(blocks[i + k].block_hash.0).is_none()
+                    {
+                        k += 1;
+                    }
+                    let k = k.max(1);
+                    for (j, blk) in blocks[i..i + k].iter().enumerate() {
+                        self.state(slot)
+                            .blocks
+                            .insert(blk.block_hash.0, pack(t, p + j as u32));
+                    }
+                    self.set_coverage(t, slot, p + k as u32, guard);
+                    self.blocks += k;
+                    out.stored += k as u32;
+                    (n, next) = (t, p + k as u32);
+                    i += k;
+                }
+                None => {
+                    // New storage for the rest of the chain. Names the worker already uses
+                    // elsewhere are moved first.
+                    for blk in &blocks[i..] {
+                        if let Some(old) = self.state(slot).blocks.remove(blk.block_hash.0) {
+                            let dropped = self.drop_from(slot, old, guard);
+                            self.blocks -= dropped as usize;
+                            out.removed += dropped;
+                        }
+                    }
+                    let rest = &blocks[i..];
+                    let locals: Vec<u64> = rest.iter().map(|b| b.tokens_hash.0).collect();
+                    let m = &self.nodes[n as usize];
+                    let (t, start) = if n != ROOT
+                        && next == m.len
+                        && m.holders.len() == 1
+                        && m.holders[0].slot == slot
+                    {
+                        self.append(n, slot, &locals, guard);
+                        (n, next)
+                    } else {
+                        (self.new_child(n, next, &locals, slot, guard), 0)
+                    };
+                    for (j, blk) in rest.iter().enumerate() {
+                        self.state(slot)
+                            .blocks
+                            .insert(blk.block_hash.0, pack(t, start + j as u32));
+                    }
+                    self.blocks += rest.len();
+                    out.stored += rest.len() as u32;
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Drops the worker's block at `loc` and everything it holds below; its map entry for
+    /// `loc` is already gone. Returns the blocks dropped.
+    fn drop_from(&mut self, slot: u32, loc: u64, guard: &Guard) -> u32 {
+        let (x, q) = unpack(loc);
+        let m = &self.nodes[x as usize];
+        let h = m.holders[m.holder(slot).expect("map entries point at held blocks")];
+        debug_assert!(h.cutoff > q);
+        if h.cutoff == q + 1 && (h.kids == 0 || h.max_kid_attach <= q) {
+            // Leaf-first eviction: nothing hangs below.
+            self.set_coverage(x, slot, q, guard);
+            self.try_prune(x, guard);
+            return 1;
+        }
+        // Everything the worker holds below: the rest of this edge and its children hanging
+        // past `q`, recursively (parents before children).
+        let mut doomed = Vec::new();
+        let mut stack: Vec<NodeId> = self
+            .held_children(x, slot, guard)
+            .into_iter()
+            .filter(|&c| self.nodes[c as usize].attach > q)
+            .collect();
+        while let Some(c) = stack.pop() {
+            doomed.push(c);
+            stack.extend(self.held_children(c, slot, guard));
+        }
+        let doomed_set: HashSet<NodeId> = doomed.iter().copied().collect();
+        let mut dropped = h.cutoff - q;
+        for &d in &doomed {
+            dropped += self.nodes[d as usize].cutoff(slot);
+        }
+        self.state(slot).blocks.remove_where(|_, v| {
+            let (n, p) = unpack(v);
+            (n == x && p > q) || doomed_set.contains(&n)
+        });
+        for &d in doomed.iter().rev() {
+            self.set_coverage(d, slot, 0, guard);
+            self.try_prune(d, guard);
+        }
+        self.set_coverage(x, slot, q, guard);
+        self.try_prune(x, guard);
+        dropped
+    }
+
+    /// Children of `x` that `slot` holds.
+    fn held_children(&self, x: NodeId, slot: u32, guard: &Guard) -> Vec<NodeId> {
+        let table = self.node(x).children.load(Ordering::Acquire, guard);
+        // SAFETY: the writer's own child table and live children.
+        let Some(t) = (unsafe { table.as_ref() }) else {
+            return Vec::new();
+        };
+        t.children(guard)
+            // SAFETY: live children of a live node.
+            .map(|c| unsafe { c.deref() }.id)
+            .filter(|&c| self.nodes[c as usize].holder(slot).is_some())
+            .collect()
+    }
+
+    fn clear_slot(&mut self, slot: u32, guard: &Guard) -> usize {
+        let map = std::mem::take(&mut self.state(slot).blocks);
+        let n = map.len();
+        let mut held: Vec<NodeId> = map.iter().map(|(_, v)| unpack(v).0).collect();
+        held.sort_unstable();
+        held.dedup();
+        for &x in &held {
+            self.set_coverage(x, slot, 0, guard);
+        }
+        for &x in &held {
+            // An ancestor pruned earlier in this loop may have taken `x` with it.
+            if !self.nodes[x as usize].node.is_null() {
+                self.try_prune(x, guard);
+            }
+        }
+        self.blocks -= n;
+        n
+    }
+
+    // ---------------------------------------------------------------- node mutations
+
+    /// Sets `slot`'s cutoff on node `x` to `new` (at most the published length), keeping
+    /// `full`, `partial`, `any`, the edge length and the parent's kid counts right, in the
+    /// order described in the module docs. Does not prune.
+    fn set_coverage(&mut self, x: NodeId, slot: u32, new: u32, guard: &Guard) {
+        // SAFETY: see `node()`; the reference is to the node, not into `self.nodes`.
+        let node: &Node = unsafe { &*self.nodes[x as usize].node };
+        let hi = self.nodes[x as usize].holder(slot);
+        let old = hi.map_or(0, |i| self.nodes[x as usize].holders[i].cutoff);
+        if new == old {
+            return;
+        }
+        let len = self.nodes[x as usize].len;
+        if new > old {
+            debug_assert!(new <= len);
+            let hi = match hi {
+                Some(i) => i,
+                None => {
+                    self.nodes[x as usize].holders.push(Holder {
+                        slot,
+                        cutoff: 0,
+                        partial: NO_PARTIAL,
+                        kids: 0,
+                        max_kid_attach: 0,
+                    });
+                    self.nodes[x as usize].holders.len() - 1
+                }
+            };
+            if new == len {
+                node.full.set(slot, guard);
+                let p = self.nodes[x as usize].holders[hi].partial;
+                if p != NO_PARTIAL {
+                    self.partials(x, guard).clear(p as usize);
+                    self.nodes[x as usize].holders[hi].partial = NO_PARTIAL;
+                }
+            } else {
+                self.set_partial(x, hi, new, guard);
+            }
+            self.nodes[x as usize].holders[hi].cutoff = new;
+            if old == 0 {
+                node.any.set(slot, guard);
+                self.adjust_parent_kids(x, slot, true);
+            }
+            return;
+        }
+
+        let hi = hi.expect("shrinking a held node");
+        let others_max = self.nodes[x as usize]
+            .holders
+            .iter()
+            .filter(|h| h.slot != slot)
+            .map(|h| h.cutoff)
+            .max()
+            .unwrap_or(0);
+        let was_full = old == len;
+        if was_full && new > others_max {
+            // The worker stays the (joint) top holder: trimming the edge is the whole change.
+            self.nodes[x as usize].holders[hi].cutoff = new;
+            self.trim(x, new, guard);
+            return;
+        }
+        // 1. Publish the worker's smaller coverage.
+        if new == 0 {
+            if was_full {
+                node.full.clear(slot, guard);
+            } else {
+                let p = self.nodes[x as usize].holders[hi].partial;
+                self.partials(x, guard).clear(p as usize);
+            }
+            node.any.clear(slot, guard);
+            self.nodes[x as usize].holders.swap_remove(hi);
+            self.adjust_parent_kids(x, slot, false);
+        } else {
+            self.set_partial(x, hi, new, guard);
+            if was_full {
+                node.full.clear(slot, guard);
+            }
+            self.nodes[x as usize].holders[hi].cutoff = new;
+        }
+        // 2. Trim the edge to the longest remaining hold, then 3. promote whoever now holds
+        // all of it.
+        let new_len = self.nodes[x as usize]
+            .holders
+            .iter()
+            .map(|h| h.cutoff)
+            .max()
+            .unwrap_or(0);
+        if new_len < len {
+            self.trim(x, new_len, guard);
+            for i in 0..self.nodes[x as usize].holders.len() {
+                let h = self.nodes[x as usize].holders[i];
+                if h.cutoff == new_len && h.partial != NO_PARTIAL {
+                    node.full.set(h.slot, guard);
+                    self.partials(x, guard).clear(h.partial as usize);
+                    self.nodes[x as usize].holders[i].partial = NO_PARTIAL;
+                }
+            }
+        }
+    }
+
+    fn adjust_parent_kids(&mut self, x: NodeId, slot: u32, added: bool) {
+        let (parent, attach) = (self.nodes[x as usize].parent, self.nodes[x as usize].attach);
+        if parent == ROOT {
+            return;
+        }
+        let pm = &mut self.nodes[parent as usize];
+        if let Some(i) = pm.holder(slot) {
+            let h = &mut pm.holders[i];
+            if added {
+                h.kids += 1;
+                h.max_kid_attach = h.max_kid_attach.max(attach);
+            } else {
+                h.kids -= 1;
+                if h.kids == 0 {
+                    h.max_kid_attach = 0;
+                }
+            }
+        }
+    }
+
+    fn partials<'g>(&self, x: NodeId, guard: &'g Guard) -> &'g Partials {
+        let p = self.node(x).partial.load(Ordering::Acquire, guard);
+        // SAFETY: present whenever a holder has a partial index; replaced only by this writer.
+        unsafe { p.deref() }
+    }
+
+    /// Gives holder `hi` of `x` a partial entry with `cutoff` (in place when it has one).
+    fn set_partial(&mut self, x: NodeId, hi: usize, cutoff: u32, guard: &Guard) {
+        let slot = self.nodes[x as usize].holders[hi].slot;
+        let mut idx = self.nodes[x as usize].holders[hi].partial;
+        if idx == NO_PARTIAL {
+            let m = &self.nodes[x as usize];
+            let used: SmallVec<[u32; 4]> = m
+                .holders
+                .iter()
+                .map(|h| h.partial)
+                .filter(|&p| p != NO_PARTIAL)
+                .collect();
+            idx = (0..m.partial_cap)
+                .find(|i| !used.contains(i))
+                .unwrap_or(m.partial_cap);
+            if idx == m.partial_cap {
+                let node = self.node(x);
+                let old = node.partial.load(Ordering::Acquire, guard);
+                let cap = (m.partial_cap * 2).max(2);
+                // SAFETY: the writer's own list.
+                let grown = Partials::grown(unsafe { old.as_ref() }, cap as usize);
+                node.partial.store(Owned::new(grown), Ordering::Release);
+                if !old.is_null() {
+                    // SAFETY: replaced above; freed after current readers unpin.
+                    unsafe { guard.defer_destroy(old) };
+                }
+                self.nodes[x as usize].partial_cap = cap;
+            }
+            self.nodes[x as usize].holders[hi].partial = idx;
+        }
+        self.partials(x, guard).set(idx as usize, slot, cutoff);
+    }
+
+    /// Lowers the published length of `x` to `new_len`; compacts the buffer when it is
+    /// mostly slack.
+    fn trim(&mut self, x: NodeId, new_len: u32, guard: &Guard) {
+        // SAFETY: see `node()`; the reference is to the node, not into `self.nodes`.
+        let node: &Node = unsafe { &*self.nodes[x as usize].node };
+        let edge = node.edge.load(Ordering::Acquire, guard);
+        // SAFETY: the writer's own edge buffer.
+        unsafe { edge.deref() }.publish_len(new_len as usize);
+        let m = &mut self.nodes[x as usize];
+        m.len = new_len;
+        if new_len > 0 && m.cap > 32 && new_len * 4 < m.cap {
+            // SAFETY: cells below `new_len` are below `hwm`: read-only.
+            let blocks: Vec<u64> = (0..new_len)
+                .map(|i| unsafe { edge.deref().get(i as usize) })
+                .collect();
+            node.edge.store(
+                Owned::new(Edge::new(blocks.into_iter(), new_len as usize)),
+                Ordering::Release,
+            );
+            // SAFETY: replaced above; freed after current readers unpin.
+            unsafe { guard.defer_destroy(edge) };
+            m.cap = new_len;
+            m.hwm = new_len;
+        }
+    }
+
+    /// Appends `locals` to the edge of `x`, whose only holder is `slot` and holds all of it.
+    fn append(&mut self, x: NodeId, slot: u32, locals: &[u64], guard: &Guard) {
+        let node = self.node(x);
+        let m = &self.nodes[x as usize];
+        let (len, new_len) = (m.len as usize, m.len as usize + locals.len());
+        let edge = node.edge.load(Ordering::Acquire, guard);
+        if m.hwm as usize == len && new_len <= m.cap as usize {
+            // SAFETY: the writer's own buffer.
+            let e = unsafe { edge.deref() };
+            for (i, &l) in locals.iter().enumerate() {
+                // SAFETY: `len + i >= hwm`: never published, no reader reads it.
+                unsafe { e.write(len + i, l) };
+            }
+            e.publish_len(new_len);
+        } else {
+            let cap = new_len + new_len / 4;
+            // SAFETY: cells below `len <= hwm` are read-only.
+            let old = (0..len).map(|i| unsafe { edge.deref().get(i) });
+            let blocks: Vec<u64> = old.chain(locals.iter().copied()).collect();
+            node.edge.store(
+                Owned::new(Edge::new(blocks.into_iter(), cap)),
+                Ordering::Release,
+            );
+            // SAFETY: replaced above; freed after current readers unpin.
+            unsafe { guard.defer_destroy(edge) };
+            self.nodes[x as usize].cap = cap as u32;
+        }
+        let m = &mut self.nodes[x as usize];
+        m.len = new_len as u32;
+        m.hwm = new_len as u32;
+        let hi = m.holder(slot).expect("the appending worker holds the node");
+        m.holders[hi].cutoff = new_len as u32;
+    }
+
+    /// Creates a child of `parent` at `attach` holding `locals`, held whole by `slot`.
+    fn new_child(
+        &mut self,
+        parent: NodeId,
+        attach: u32,
+        locals: &[u64],
+        slot: u32,
+        guard: &Guard,
+    ) -> NodeId {
+        let id = self.free_ids.pop().unwrap_or_else(|| {
+            self.nodes.push(Meta::vacant());
+            (self.nodes.len() - 1) as NodeId
+        });
+        let node = Node::new(attach, id, locals.iter().copied(), locals.len());
+        node.full.set(slot, guard);
+        node.any.set(slot, guard);
+        let shared = Owned::new(node).into_shared(guard);
+        let k = locals.len() as u32;
+        self.nodes[id as usize] = Meta {
+            node: shared.as_raw(),
+            parent,
+            attach,
+            len: k,
+            hwm: k,
+            cap: k,
+            holders: smallvec::smallvec![Holder {
+                slot,
+                cutoff: k,
+                partial: NO_PARTIAL,
+                kids: 0,
+                max_kid_attach: 0
+            }],
+            child_live: 0,
+            child_used: 0,
+            child_cap: 0,
+            partial_cap: 0,
+        };
+        self.link_child(parent, shared, guard);
+        self.adjust_parent_kids(id, slot, true);
+        id
+    }
+
+    fn link_child(&mut self, parent: NodeId, child: Shared<'_, Node>, guard: &Guard) {
+        let pm = &self.nodes[parent as usize];
+        if (pm.child_used + 1) * 4 > pm.child_cap * 3 {
+            self.rebuild_children(
+                parent,
+                ((pm.child_live + 1) * 2).next_power_of_two().max(2),
+                guard,
+            );
+        }
+        let table = self.node(parent).children.load(Ordering::Acquire, guard);
+        // SAFETY: the writer's own table (just ensured to exist).
+        let reused = unsafe { table.deref() }.insert(child, guard);
+        let pm = &mut self.nodes[parent as usize];
+        pm.child_live += 1;
+        if !reused {
+            pm.child_used += 1;
+        }
+    }
+
+    /// Publishes a fresh child table of `cap` slots holding the live children of `x`.
+    fn rebuild_children(&mut self, x: NodeId, cap: u32, guard: &Guard) {
+        let node = self.node(x);
+        let old = node.children.load(Ordering::Acquire, guard);
+        let table = ChildTable::with_capacity(cap as usize);
+        // SAFETY: the writer's own table and live children.
+        if let Some(t) = unsafe { old.as_ref() } {
+            for c in t.children(guard) {
+                table.insert(c, guard);
+            }
+        }
+        node.children.store(Owned::new(table), Ordering::Release);
+        if !old.is_null() {
+            // SAFETY: replaced above; freed after current readers unpin.
+            unsafe { guard.defer_destroy(old) };
+        }
+        let m = &mut self.nodes[x as usize];
+        m.child_cap = cap;
+        m.child_used = m.child_live;
+    }
+
+    /// Prunes `x` and then its ancestors while they are held by nobody and have no
+    /// children.
+    fn try_prune(&mut self, mut x: NodeId, guard: &Guard) {
+        while x != ROOT {
+            let m = &self.nodes[x as usize];
+            if !m.holders.is_empty() || m.child_live > 0 {
+                return;
+            }
+            let parent = m.parent;
+            self.prune(x, guard);
+            x = parent;
+        }
+    }
+
+    fn prune(&mut self, x: NodeId, guard: &Guard) {
+        let (parent, ptr) = (self.nodes[x as usize].parent, self.nodes[x as usize].node);
+        // SAFETY: live node.
+        let (attach, first) = unsafe { ((*ptr).attach, (*ptr).first) };
+        let table = self.node(parent).children.load(Ordering::Acquire, guard);
+        // SAFETY: the parent's table, which holds `x`.
+        let removed = unsafe { table.deref() }.remove(attach, first, guard);
+        debug_assert!(removed);
+        let pm = &mut self.nodes[parent as usize];
+        pm.child_live -= 1;
+        if pm.child_cap > 8 && pm.child_live * 8 < pm.child_cap {
+            let cap = (pm.child_live * 2).next_power_of_two().max(2);
+            self.rebuild_children(parent, cap, guard);
+        }
+        // SAFETY: `x` is unlinked: no parent table, no map entry (nobody holds it) and no
+        // child refers to it, so only readers pinned before the unlink can reach it; the
+        // collector frees it after they unpin.
+        unsafe { guard.defer_destroy(Shared::from(ptr)) };
+        self.nodes[x as usize] = Meta::vacant();
+        self.free_ids.push(x);
+    }
+
+    // ---------------------------------------------------------------- whole workers
+
+    pub(crate) fn clear_in(&mut self, worker: WorkerDp, guard: &Guard) -> usize {
+        match self.slot_of.get(&worker) {
+            Some(&s) => self.clear_slot(s, guard),
+            None => 0,
+        }
+    }
+
+    pub(crate) fn remove_worker_in(&mut self, worker_id: WorkerId, guard: &Guard) -> usize {
+        let slots: Vec<(WorkerDp, u32)> = self
+            .slot_of
+            .iter()
+            .filter(|(w, _)| w.worker_id == worker_id)
+            .map(|(w, s)| (*w, *s))
+            .collect();
+        let mut dropped = 0;
+        for (w, s) in slots {
+            dropped += self.clear_slot(s, guard);
+            self.shared.root.any.clear(s, guard);
+            self.slots[s as usize] = None;
+            self.slot_of.remove(&w);
+            let recycled = Arc::clone(&self.recycled);
+            guard.defer(move || {
+                if let Ok(mut r) = recycled.lock() {
+                    r.push(s);
+                }
+            });
+        }
+        dropped
+    }
+
+    pub(crate) fn summaries(&self) -> impl Iterator<Item = WorkerSummary> + '_ {
+        self.slots.iter().flatten().map(|s| WorkerSummary {
+            worker: s.worker,
+            blocks: s.blocks.len(),
+            last_event_id: s.last_event_id,
+        })
+    }
+
+    pub(crate) fn blocks_held(&self) -> usize {
+        self.blocks
+    }
+
+    /// Heap bytes of the whole shard: nodes, writer bookkeeping and block maps.
+    pub(crate) fn heap_bytes_in(&self, guard: &Guard) -> usize {
+        let mut n = self.nodes.capacity() * std::mem::size_of::<Meta>();
+        for m in &self.nodes {
+            if !m.node.is_null() {
+                // SAFETY: live node.
+                n += unsafe { &*m.node }.heap_bytes(guard);
+                if m.holders.spilled() {
+                    n += m.holders.capacity() * std::mem::size_of::<Holder>();
+                }
+            }
+        }
+        n + self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| s.blocks.heap_bytes())
+            .sum::<usize>()
+    }
+
+    /// Live nodes (excluding the root).
+    pub(crate) fn live_nodes(&self) -> usize {
+        self.nodes
+            .iter()
+            .skip(1)
+            .filter(|m| !m.node.is_null())
+            .count()
+    }
+
+    /// Events that rebuild this shard's state: per worker a `Cleared`, then one `Stored` per
+    /// node it holds, parents first.
+    pub(crate) fn dump_in(&self, guard: &Guard) -> Vec<RouterEvent> {
+        let mut events = Vec::new();
+        let mut order: Vec<&SlotState> = self.slots.iter().flatten().collect();
+        order.sort_by_key(|s| s.worker);
+        for st in order {
+            let slot = self.slot_of[&st.worker];
+            let id = st.last_event_id.unwrap_or(0);
+            let w = st.worker;
+            events.push(RouterEvent::new(
+                w.worker_id,
+                KvCacheEvent::cleared(id, w.dp_rank),
+            ));
+            let names: HashMap<u64, u64> = st.blocks.iter().map(|(k, v)| (v, k)).collect();
+            let mut stack: Vec<NodeId> = self.held_children(ROOT, slot, guard);
+            while let Some(x) = stack.pop() {
+                let m = &self.nodes[x as usize];
+                let parent = (m.parent != ROOT)
+                    .then(|| SequenceBlockHash(names[&pack(m.parent, m.attach - 1)]));
+                let blocks = (0..m.cutoff(slot)).map(|p| {
+                    (
+                        LocalBlockHash(self.local_at(x, p, guard)),
+                        SequenceBlockHash(names[&pack(x, p)]),
+                    )
+                });
+                events.push(RouterEvent::new(
+                    w.worker_id,
+                    KvCacheEvent::stored(id, w.dp_rank, parent, blocks),
+                ));
+                stack.extend(self.held_children(x, slot, guard));
+            }
+        }
+        events
+    }
+}
+
+impl Drop for ShardWriter {
+    fn drop(&mut self) {
+        // Free every node still linked. Readers hold `Arc<ShardShared>`, not nodes, beyond
+        // their guards; once the writer is dropped the tree is frozen, and nodes are handed
+        // to the collector so that pinned readers finish first.
+        let guard = crossbeam_epoch::pin();
+        let root_table = self
+            .shared
+            .root
+            .children
+            .swap(Shared::null(), Ordering::AcqRel, &guard);
+        if !root_table.is_null() {
+            // SAFETY: unlinked just above; readers pinned before still see the old tree.
+            unsafe { guard.defer_destroy(root_table) };
+        }
+        for m in self.nodes.iter().skip(1) {
+            if !m.node.is_null() {
+                // SAFETY: each live node is retired exactly once, here; readers that reached
+                // it are pinned and the collector waits for them.
+                unsafe { guard.defer_destroy(Shared::from(m.node)) };
+            }
+        }
+    }
+}
