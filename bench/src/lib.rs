@@ -1,5 +1,15 @@
 //! # kvrouter-bench
 //!
-//! The benchmark harness (mock engines, trace replay, policy comparison) and side-by-side
-//! comparisons with NVIDIA Dynamo's indexer. Sample inputs for fresh clones live in
-//! `bench/data/` (see its README).
+//! The benchmark harness and side-by-side comparisons with NVIDIA Dynamo's indexer:
+//!
+//! * [`perf`]: timed replays of replay logs through an index (`kvrouter replay --perf`).
+//! * [`concurrent`]: writers applying a log's events at full speed while readers look up.
+//! * `dynamo` (feature `dynamo`): the same replays through `dynamo-kv-router` 1.6.1's
+//!   `RadixTree` and `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
+//!
+//! Sample inputs for fresh clones live in `bench/data/` (see its README).
+
+pub mod concurrent;
+#[cfg(feature = "dynamo")]
+pub mod dynamo;
+pub mod perf;

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use kvrouter_bench::perf::{self, LoadedLog};
 use kvrouter_core::index::{Index, ReferenceIndex, TreeIndex};
 use kvrouter_core::replay::ReplayChecker;
 use kvrouter_io::log::LogReader;
@@ -18,8 +19,15 @@ const SAMPLE_NAME: &str = "<bundled sample_w4.jsonl.zst>";
 #[derive(Debug, Args)]
 pub(crate) struct ReplayArgs {
     /// Check every find_matches answer against the log's expected answer (the default).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "perf")]
     check: bool,
+    /// Parse the whole log first, then time the replay: ops/s, block ops/s, find_matches
+    /// percentiles, peak RSS and bytes per cached block.
+    #[arg(long)]
+    perf: bool,
+    /// With --perf: print one JSON object.
+    #[arg(long, requires = "perf")]
+    json: bool,
     /// The log (`.jsonl` or `.jsonl.zst`); the bundled sample when omitted.
     #[arg(env = "KVROUTER_REPLAY_LOG")]
     log: Option<PathBuf>,
@@ -47,7 +55,9 @@ impl IndexKind {
 }
 
 pub(crate) fn run(args: ReplayArgs) -> anyhow::Result<ExitCode> {
-    let _ = args.check; // checking is the only mode so far
+    if args.perf {
+        return perf(args);
+    }
     let mut reader = match &args.log {
         Some(path) => {
             LogReader::open(path).with_context(|| format!("opening {}", path.display()))?
@@ -98,4 +108,44 @@ pub(crate) fn run(args: ReplayArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+fn perf(args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let reader = match &args.log {
+        Some(path) => {
+            LogReader::open(path).with_context(|| format!("opening {}", path.display()))?
+        }
+        None => LogReader::from_bytes(SAMPLE_NAME, SAMPLE_LOG)?,
+    };
+    let log = LoadedLog::from_reader(reader)?;
+    let report = match args.index {
+        IndexKind::Reference => perf::replay(&mut ReferenceIndex::new(), &log, |_| None),
+        IndexKind::Tree => {
+            perf::replay(
+                &mut TreeIndex::new(1),
+                &log,
+                |t| Some(t.heap_bytes() as u64),
+            )
+        }
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{}: {} ops in {:.3} s: {:.0} ops/s, {:.2} M block ops/s; find_matches p50/p99/p999 {}/{}/{} ns; \
+             peak RSS {:.1} MiB; {:.1} bytes per cached block ({} cached)",
+            report.index,
+            report.ops,
+            report.elapsed_s,
+            report.ops_per_s,
+            report.block_ops_per_s / 1e6,
+            report.match_p50_ns,
+            report.match_p99_ns,
+            report.match_p999_ns,
+            report.peak_rss_bytes as f64 / (1 << 20) as f64,
+            report.bytes_per_block,
+            report.cached_blocks
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

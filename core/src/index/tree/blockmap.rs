@@ -1,13 +1,22 @@
 //! A writer-only hash map from a worker's sequence hashes to where the blocks sit
-//! (`node id << 32 | position`), tuned for memory: 16-byte entries, open addressing with
-//! linear probing, any capacity (not only powers of two, via multiply-shift range reduction),
-//! up to 7/8 full, growth by 1.4x, backward-shift deletion (no tombstones).
+//! (`node id << 32 | position`), tuned for memory and for cache misses.
+//!
+//! * Robin Hood linear probing with backward-shift deletion: no tombstones, short probe
+//!   runs even at 7/8 load, and a lookup for an absent key stops early.
+//! * One 2-byte tag per slot (probe distance and an 8-bit fingerprint of the key's hash)
+//!   in its own array, 16-byte entries in another: probing, displacement and deletion read
+//!   only the tags, which stay cache-resident; an entry is read only on a fingerprint match.
+//!   Inserting a new key touches no entry but the ones it writes.
+//! * Any capacity, not only powers of two (multiply-shift range reduction), up to 7/8 full,
+//!   growth by 1.4x: 18 bytes per slot at 0.62 to 0.87 load, where a power-of-two table can
+//!   sit at 0.44.
 //!
 //! Keys are mixed with a fixed 64-bit finaliser, so runs are repeatable (callgrind) and
 //! sequential engine block ids spread evenly.
 
-const EMPTY: u64 = u64::MAX;
 const MIN_CAP: usize = 16;
+/// Probe distances must fit the tag's high byte (distance + 1, 0 meaning empty).
+const MAX_DIST: usize = 250;
 
 #[derive(Clone, Copy)]
 struct Entry {
@@ -18,6 +27,8 @@ struct Entry {
 /// See the [module docs](self).
 #[derive(Clone)]
 pub(crate) struct BlockMap {
+    /// 0: empty; else `(distance + 1) << 8 | fingerprint`.
+    tags: Box<[u16]>,
     entries: Box<[Entry]>,
     len: usize,
 }
@@ -26,7 +37,7 @@ impl std::fmt::Debug for BlockMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockMap")
             .field("len", &self.len)
-            .field("cap", &self.entries.len())
+            .field("cap", &self.tags.len())
             .finish()
     }
 }
@@ -39,6 +50,16 @@ fn mix(k: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+#[inline]
+fn tag(dist: usize, h: u64) -> u16 {
+    ((dist as u16 + 1) << 8) | (h >> 56) as u16
+}
+
+#[inline]
+fn dist_of(t: u16) -> usize {
+    (t >> 8) as usize - 1
+}
+
 impl Default for BlockMap {
     fn default() -> Self {
         Self::new()
@@ -48,6 +69,7 @@ impl Default for BlockMap {
 impl BlockMap {
     pub(crate) fn new() -> Self {
         Self {
+            tags: Box::new([]),
             entries: Box::new([]),
             len: 0,
         }
@@ -58,39 +80,61 @@ impl BlockMap {
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.entries.len() * std::mem::size_of::<Entry>()
+        self.tags.len() * (2 + std::mem::size_of::<Entry>())
     }
 
     #[inline]
-    fn home(&self, key: u64) -> usize {
-        ((mix(key) as u128 * self.entries.len() as u128) >> 64) as usize
+    fn home(&self, h: u64) -> usize {
+        ((h as u128 * self.tags.len() as u128) >> 64) as usize
     }
 
     #[inline]
     fn next(&self, i: usize) -> usize {
-        if i + 1 == self.entries.len() {
-            0
-        } else {
-            i + 1
-        }
+        if i + 1 == self.tags.len() { 0 } else { i + 1 }
     }
 
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
-        if self.entries.is_empty() {
+        if self.len == 0 {
             return None;
         }
-        let mut i = self.home(key);
+        let h = mix(key);
+        let fp = (h >> 56) as u16;
+        let mut i = self.home(h);
+        let mut d = 0;
         loop {
-            let e = self.entries[i];
-            if e.val == EMPTY {
+            let t = self.tags[i];
+            // Robin Hood: an empty slot, or an entry closer to its home than we are to ours,
+            // means the key is absent.
+            if t == 0 || dist_of(t) < d {
                 return None;
             }
-            if e.key == key {
+            if t & 0xff == fp && self.entries[i].key == key {
                 return Some(i);
             }
             i = self.next(i);
+            d += 1;
         }
+    }
+
+    /// Asks the CPU to start loading the slots `key` probes first, so that a batch of
+    /// lookups overlaps its cache misses instead of paying them one after another.
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        if self.tags.is_empty() {
+            return;
+        }
+        let i = self.home(mix(key));
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint that never faults and has no effect on program
+        // semantics; both addresses are inside live allocations anyway.
+        unsafe {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            _mm_prefetch::<_MM_HINT_T0>(self.tags.as_ptr().add(i).cast());
+            _mm_prefetch::<_MM_HINT_T0>(self.entries.as_ptr().add(i).cast());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
     }
 
     #[inline]
@@ -98,76 +142,104 @@ impl BlockMap {
         self.find(key).map(|i| self.entries[i].val)
     }
 
-    /// Inserts or replaces; returns the old value. `val` must not be `u64::MAX`.
+    /// Inserts or replaces; returns the old value.
     pub(crate) fn insert(&mut self, key: u64, val: u64) -> Option<u64> {
-        debug_assert_ne!(val, EMPTY);
-        if (self.len + 1) * 8 > self.entries.len() * 7 {
-            self.resize(((self.entries.len() * 7) / 5).max(MIN_CAP));
+        if let Some(i) = self.find(key) {
+            return Some(std::mem::replace(&mut self.entries[i].val, val));
         }
-        let mut i = self.home(key);
+        self.insert_new(key, val);
+        None
+    }
+
+    /// Inserts a key known to be absent.
+    pub(crate) fn insert_new(&mut self, key: u64, val: u64) {
+        debug_assert!(self.find(key).is_none());
+        if (self.len + 1) * 8 > self.tags.len() * 7 {
+            self.resize(((self.tags.len() * 7) / 5).max(MIN_CAP));
+        }
+        let h = mix(key);
+        let mut cur_tag = tag(0, h);
+        let mut cur = Entry { key, val };
+        let mut i = self.home(h);
+        let mut d = 0;
         loop {
-            let e = &mut self.entries[i];
-            if e.val == EMPTY {
-                *e = Entry { key, val };
+            let t = self.tags[i];
+            if t == 0 {
+                self.tags[i] = cur_tag;
+                self.entries[i] = cur;
                 self.len += 1;
-                return None;
+                return;
             }
-            if e.key == key {
-                return Some(std::mem::replace(&mut e.val, val));
+            if dist_of(t) < d {
+                // Take the slot of the richer entry and carry it on.
+                self.tags[i] = cur_tag;
+                cur_tag = t;
+                cur = std::mem::replace(&mut self.entries[i], cur);
+                d = dist_of(t);
             }
             i = self.next(i);
+            d += 1;
+            if d > MAX_DIST {
+                // Astronomically unlikely at 7/8 load; grow and place the carried entry.
+                self.resize(self.tags.len() * 2);
+                self.insert_new(cur.key, cur.val);
+                return;
+            }
+            cur_tag = (cur_tag & 0xff) | (((d as u16) + 1) << 8);
         }
     }
 
     /// Removes `key`; returns its value.
     pub(crate) fn remove(&mut self, key: u64) -> Option<u64> {
-        let mut hole = self.find(key)?;
-        let val = self.entries[hole].val;
+        let mut i = self.find(key)?;
+        let val = self.entries[i].val;
         self.len -= 1;
-        // Backward-shift: pull later entries of the probe run into the hole when their home
-        // is not cyclically inside (hole, j].
-        let mut j = self.next(hole);
+        // Backward shift: pull following displaced entries one slot closer to home.
+        let mut j = self.next(i);
         loop {
-            let e = self.entries[j];
-            if e.val == EMPTY {
+            let t = self.tags[j];
+            if t == 0 || dist_of(t) == 0 {
                 break;
             }
-            let h = self.home(e.key);
-            let between = if hole <= j {
-                hole < h && h <= j
-            } else {
-                hole < h || h <= j
-            };
-            if !between {
-                self.entries[hole] = e;
-                hole = j;
-            }
+            self.tags[i] = t - (1 << 8);
+            self.entries[i] = self.entries[j];
+            i = j;
             j = self.next(j);
         }
-        self.entries[hole] = Entry { key: 0, val: EMPTY };
-        if self.entries.len() > MIN_CAP && self.len * 4 < self.entries.len() {
-            self.resize((self.entries.len() / 2).max(MIN_CAP));
+        self.tags[i] = 0;
+        if self.tags.len() > MIN_CAP && self.len * 4 < self.tags.len() {
+            self.resize((self.tags.len() / 2).max(MIN_CAP));
         }
         Some(val)
     }
 
     fn resize(&mut self, cap: usize) {
+        let old_tags = std::mem::replace(&mut self.tags, vec![0; cap].into_boxed_slice());
         let old = std::mem::replace(
             &mut self.entries,
-            vec![Entry { key: 0, val: EMPTY }; cap].into_boxed_slice(),
+            vec![Entry { key: 0, val: 0 }; cap].into_boxed_slice(),
         );
         self.len = 0;
-        for e in old.iter().filter(|e| e.val != EMPTY) {
-            self.insert(e.key, e.val);
+        for (t, e) in old_tags.iter().zip(old.iter()) {
+            if *t != 0 {
+                self.insert_new(e.key, e.val);
+            }
         }
+    }
+
+    /// Empties the map, keeping its capacity.
+    pub(crate) fn clear(&mut self) {
+        self.tags.iter_mut().for_each(|t| *t = 0);
+        self.len = 0;
     }
 
     /// Every `(key, value)`.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.entries
+        self.tags
             .iter()
-            .filter(|e| e.val != EMPTY)
-            .map(|e| (e.key, e.val))
+            .zip(self.entries.iter())
+            .filter(|(t, _)| **t != 0)
+            .map(|(_, e)| (e.key, e.val))
     }
 
     /// Removes the entries for which `drop(key, value)` is true; returns how many.

@@ -188,6 +188,10 @@ pub struct ShardWriter {
     /// reader can attribute an old worker's bits to a new one.
     recycled: Arc<Mutex<Vec<u32>>>,
     blocks: usize,
+    /// Scratch set for checking that a stored chain names each block once.
+    chain: BlockMap,
+    /// Scratch: where the worker already has each name of a stored chain.
+    held: Vec<Option<u64>>,
 }
 
 // SAFETY: the raw node pointers in `Meta` point into nodes owned by this writer's tree
@@ -197,7 +201,7 @@ unsafe impl Send for ShardWriter {}
 impl ShardWriter {
     pub(crate) fn new() -> Self {
         let shared = Arc::new(ShardShared {
-            root: Node::new(0, ROOT, std::iter::empty(), 0),
+            root: Node::new(0, ROOT, &[], 0),
             slots: Atomic::new(SlotTable::with_capacity(64)),
         });
         let mut root = Meta::vacant();
@@ -210,6 +214,8 @@ impl ShardWriter {
             slot_of: HashMap::new(),
             recycled: Arc::new(Mutex::new(Vec::new())),
             blocks: 0,
+            chain: BlockMap::new(),
+            held: Vec::new(),
         }
     }
 
@@ -303,6 +309,14 @@ impl ShardWriter {
             }
             KvEventData::Removed(r) => {
                 let mut out = ApplyOutcome::default();
+                // Look every name up first: the lookups are independent, so their cache
+                // misses overlap; the removals below then find their slots in cache.
+                let map = self.map(slot);
+                let mut warm = 0u64;
+                for h in &r.block_hashes {
+                    warm ^= map.get(h.0).unwrap_or(0);
+                }
+                std::hint::black_box(warm);
                 for h in &r.block_hashes {
                     match self.state(slot).blocks.remove(h.0) {
                         Some(loc) => out.removed += self.drop_from(slot, loc, guard),
@@ -378,32 +392,62 @@ impl ShardWriter {
             event_id,
             block,
         };
-        let mut chain = HashSet::with_capacity(blocks.len());
+        let map = self.map(slot);
         for b in blocks {
-            if !chain.insert(b.block_hash) {
+            map.prefetch(b.block_hash.0);
+        }
+        self.chain.clear();
+        for b in blocks {
+            if self.chain.insert(b.block_hash.0, 1).is_some() {
                 return Err(invalid(b.block_hash));
             }
         }
-        if let Some(p) = parent.filter(|p| chain.contains(p)) {
+        if let Some(p) = parent.filter(|p| self.chain.get(p.0).is_some()) {
             return Err(invalid(p));
         }
+        // Where the worker already has each name (one lookup per block, reused below until
+        // a cascade or a rename changes the map).
+        let mut held = std::mem::take(&mut self.held);
+        held.clear();
+        let map = self.map(slot);
+        held.extend(blocks.iter().map(|b| map.get(b.block_hash.0)));
         if let Some(ploc) = parent_loc {
-            for b in blocks {
-                let held = self.map(slot).get(b.block_hash.0);
-                if held.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)) {
+            for (b, h) in blocks.iter().zip(&held) {
+                if h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)) {
+                    self.held = held;
                     return Err(invalid(b.block_hash));
                 }
             }
         }
+        let out = self.store_chain(slot, parent_loc, blocks, &mut held, guard);
+        self.held = held;
+        Ok(out)
+    }
 
+    /// The mutation part of a store (validated by the caller). `held[i]` is the worker's
+    /// current location of `blocks[i]`'s name.
+    fn store_chain(
+        &mut self,
+        slot: u32,
+        parent_loc: Option<(NodeId, u32)>,
+        blocks: &[StoredBlock],
+        held: &mut [Option<u64>],
+        guard: &Guard,
+    ) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
+        // Once a cascade or rename rewrote the map, `held` is refreshed for what is left.
+        let refresh = |w: &Self, held: &mut [Option<u64>], from: usize| {
+            for (h, b) in held[from..].iter_mut().zip(&blocks[from..]) {
+                *h = w.map(slot).get(b.block_hash.0);
+            }
+        };
         let (mut n, mut next) = parent_loc.map_or((ROOT, 0), |(n, p)| (n, p + 1));
         let mut i = 0;
         while i < blocks.len() {
             let b = &blocks[i];
             let ext = b.block_hash.0;
             let mut target = self.locate(n, next, b.tokens_hash.0, guard);
-            if let Some(old) = self.map(slot).get(ext) {
+            if let Some(old) = held[i] {
                 if target.map(|(t, p)| pack(t, p)) == Some(old) {
                     out.duplicate += 1;
                     (n, next) = target
@@ -417,6 +461,8 @@ impl ShardWriter {
                 let dropped = self.drop_from(slot, old, guard);
                 self.blocks -= dropped as usize;
                 out.removed += dropped;
+                held[i] = None;
+                refresh(self, held, i + 1);
                 target = self.locate(n, next, b.tokens_hash.0, guard);
             }
             match target {
@@ -424,7 +470,8 @@ impl ShardWriter {
                     // A renamed path: same block, new name.
                     let loc = pack(t, p);
                     self.state(slot).blocks.remove_where(|_, v| v == loc);
-                    self.state(slot).blocks.insert(ext, loc);
+                    self.state(slot).blocks.insert_new(ext, loc);
+                    refresh(self, held, i + 1);
                     out.stored += 1;
                     (n, next) = (t, p + 1);
                     i += 1;
@@ -433,20 +480,20 @@ impl ShardWriter {
                     // Extend the worker's coverage along an existing edge as far as the
                     // chain follows it with fresh names.
                     let len = self.nodes[t as usize].len;
-                    let mut k = 0;
+                    let mut k = 1;
                     while i + k < blocks.len()
                         && p + (k as u32) < len
-                        && (k == 0
-                            || self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0)
-                        && self.map(slot).get(blocks[i + k].block_hash.0).is_none()
+                        && self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0
+                        && held[i + k].is_none()
                     {
                         k += 1;
                     }
-                    let k = k.max(1);
+                    let map = &mut self.slots[slot as usize]
+                        .as_mut()
+                        .expect("allocated")
+                        .blocks;
                     for (j, blk) in blocks[i..i + k].iter().enumerate() {
-                        self.state(slot)
-                            .blocks
-                            .insert(blk.block_hash.0, pack(t, p + j as u32));
+                        map.insert_new(blk.block_hash.0, pack(t, p + j as u32));
                     }
                     self.set_coverage(t, slot, p + k as u32, guard);
                     self.blocks += k;
@@ -457,11 +504,15 @@ impl ShardWriter {
                 None => {
                     // New storage for the rest of the chain. Names the worker already uses
                     // elsewhere are moved first.
-                    for blk in &blocks[i..] {
-                        if let Some(old) = self.state(slot).blocks.remove(blk.block_hash.0) {
+                    for j in i..blocks.len() {
+                        if held[j].is_none() {
+                            continue;
+                        }
+                        if let Some(old) = self.state(slot).blocks.remove(blocks[j].block_hash.0) {
                             let dropped = self.drop_from(slot, old, guard);
                             self.blocks -= dropped as usize;
                             out.removed += dropped;
+                            refresh(self, held, j + 1);
                         }
                     }
                     let rest = &blocks[i..];
@@ -477,10 +528,12 @@ impl ShardWriter {
                     } else {
                         (self.new_child(n, next, &locals, slot, guard), 0)
                     };
+                    let map = &mut self.slots[slot as usize]
+                        .as_mut()
+                        .expect("allocated")
+                        .blocks;
                     for (j, blk) in rest.iter().enumerate() {
-                        self.state(slot)
-                            .blocks
-                            .insert(blk.block_hash.0, pack(t, start + j as u32));
+                        map.insert_new(blk.block_hash.0, pack(t, start + j as u32));
                     }
                     self.blocks += rest.len();
                     out.stored += rest.len() as u32;
@@ -488,7 +541,7 @@ impl ShardWriter {
                 }
             }
         }
-        Ok(out)
+        out
     }
 
     /// Drops the worker's block at `loc` and everything it holds below; its map entry for
@@ -498,7 +551,23 @@ impl ShardWriter {
         let m = &self.nodes[x as usize];
         let h = m.holders[m.holder(slot).expect("map entries point at held blocks")];
         debug_assert!(h.cutoff > q);
-        if h.cutoff == q + 1 && (h.kids == 0 || h.max_kid_attach <= q) {
+        let mut below: Vec<NodeId> = Vec::new();
+        if h.kids > 0 && h.max_kid_attach > q {
+            // `max_kid_attach` is an upper bound: look, and tighten it.
+            let kids = self.held_children(x, slot, guard);
+            let max = kids
+                .iter()
+                .map(|&c| self.nodes[c as usize].attach)
+                .max()
+                .unwrap_or(0);
+            let hi = self.nodes[x as usize].holder(slot).expect("held");
+            self.nodes[x as usize].holders[hi].max_kid_attach = max;
+            below = kids
+                .into_iter()
+                .filter(|&c| self.nodes[c as usize].attach > q)
+                .collect();
+        }
+        if h.cutoff == q + 1 && below.is_empty() {
             // Leaf-first eviction: nothing hangs below.
             self.set_coverage(x, slot, q, guard);
             self.try_prune(x, guard);
@@ -507,11 +576,7 @@ impl ShardWriter {
         // Everything the worker holds below: the rest of this edge and its children hanging
         // past `q`, recursively (parents before children).
         let mut doomed = Vec::new();
-        let mut stack: Vec<NodeId> = self
-            .held_children(x, slot, guard)
-            .into_iter()
-            .filter(|&c| self.nodes[c as usize].attach > q)
-            .collect();
+        let mut stack = below;
         while let Some(c) = stack.pop() {
             doomed.push(c);
             stack.extend(self.held_children(c, slot, guard));
@@ -800,7 +865,7 @@ impl ShardWriter {
             self.nodes.push(Meta::vacant());
             (self.nodes.len() - 1) as NodeId
         });
-        let node = Node::new(attach, id, locals.iter().copied(), locals.len());
+        let node = Node::new(attach, id, locals, locals.len());
         node.full.set(slot, guard);
         node.any.set(slot, guard);
         let shared = Owned::new(node).into_shared(guard);

@@ -134,10 +134,7 @@ mod tests {
         let g = crossbeam_epoch::pin();
         let t = ChildTable::with_capacity(8);
         let nodes: Vec<Shared<'_, Node>> = (0..5u64)
-            .map(|i| {
-                Owned::new(Node::new(i as u32 % 2, i as u32, [100 + i].into_iter(), 1))
-                    .into_shared(&g)
-            })
+            .map(|i| Owned::new(Node::new(i as u32 % 2, i as u32, &[100 + i], 1)).into_shared(&g))
             .collect();
         for n in &nodes {
             assert!(!t.insert(*n, &g));

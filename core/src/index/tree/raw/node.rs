@@ -41,19 +41,14 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    /// A node holding `blocks` in an edge of capacity `cap`, with no holders yet.
-    pub(crate) fn new(
-        attach: u32,
-        id: u32,
-        blocks: impl ExactSizeIterator<Item = u64>,
-        cap: usize,
-    ) -> Self {
-        let blocks: Vec<u64> = blocks.collect();
+    /// A node holding `blocks` (at least one) in an edge of capacity `cap`, with no holders
+    /// yet.
+    pub(crate) fn new(attach: u32, id: u32, blocks: &[u64], cap: usize) -> Self {
         Self {
             attach,
             first: blocks.first().copied().unwrap_or(0),
             id,
-            edge: Atomic::new(Edge::new(blocks.into_iter(), cap)),
+            edge: Atomic::new(Edge::new(blocks.iter().copied(), cap)),
             full: AtomicBits::new(),
             any: AtomicBits::new(),
             partial: Atomic::null(),

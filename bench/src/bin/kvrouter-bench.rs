@@ -1,0 +1,344 @@
+//! `kvrouter-bench`: timed replays and side-by-side comparisons with Dynamo's indexer.
+//!
+//! ```text
+//! kvrouter-bench perf LOG --index tree|reference|dynamo-radix|dynamo-crtc [--threads N] [--json]
+//! kvrouter-bench concurrent LOG --index tree|dynamo-crtc [--writers N] [--readers N] [--json]
+//! kvrouter-bench compare LOG [--runs 3] [--writers 2] [--readers 1]
+//! ```
+//!
+//! `compare` runs every index in its own process (so that RSS figures are per index),
+//! `--runs` times each, and prints medians and our/Dynamo ratios. Dynamo's indexes need
+//! `--features dynamo`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use kvrouter_bench::concurrent::{self, ConcurrentReport};
+use kvrouter_bench::perf::{self, LoadedLog, PerfReport};
+use kvrouter_core::index::{ReferenceIndex, TreeIndex};
+use serde_json::Value;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvrouter-bench",
+    about = "Timed replays and comparisons with Dynamo's indexer"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// One timed sequential replay.
+    Perf {
+        /// Replay log.
+        log: PathBuf,
+        /// tree, reference, dynamo-radix or dynamo-crtc.
+        #[arg(long, default_value = "tree")]
+        index: String,
+        /// Event threads of dynamo-crtc.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One concurrent run: writers apply every event while readers look up.
+    Concurrent {
+        /// Replay log.
+        log: PathBuf,
+        /// tree or dynamo-crtc.
+        #[arg(long, default_value = "tree")]
+        index: String,
+        /// Writer (event) threads.
+        #[arg(long, default_value_t = 2)]
+        writers: usize,
+        /// Reader threads.
+        #[arg(long, default_value_t = 1)]
+        readers: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every index, each in its own process, `--runs` times; medians and ratios.
+    Compare {
+        /// Replay log.
+        log: PathBuf,
+        /// Runs per index.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Writer threads in concurrent mode (and Dynamo's event threads).
+        #[arg(long, default_value_t = 2)]
+        writers: usize,
+        /// Reader threads in concurrent mode.
+        #[arg(long, default_value_t = 1)]
+        readers: usize,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Cmd::Perf {
+            log,
+            index,
+            threads,
+            json,
+        } => {
+            let loaded = LoadedLog::load(&log)?;
+            let report = perf_one(&loaded, &index, threads)?;
+            emit(&report, json, print_perf)
+        }
+        Cmd::Concurrent {
+            log,
+            index,
+            writers,
+            readers,
+            json,
+        } => {
+            let loaded = LoadedLog::load(&log)?;
+            let report = concurrent_one(&loaded, &index, writers, readers)?;
+            emit(&report, json, print_concurrent)
+        }
+        Cmd::Compare {
+            log,
+            runs,
+            writers,
+            readers,
+        } => compare(&log, runs, writers, readers),
+    }
+}
+
+fn emit<T: serde::Serialize>(r: &T, json: bool, human: fn(&T)) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(r)?);
+    } else {
+        human(r);
+    }
+    Ok(())
+}
+
+fn perf_one(log: &LoadedLog, index: &str, threads: usize) -> anyhow::Result<PerfReport> {
+    Ok(match index {
+        "tree" => perf::replay(&mut TreeIndex::new(1), log, |t| Some(t.heap_bytes() as u64)),
+        "reference" => perf::replay(&mut ReferenceIndex::new(), log, |_| None),
+        #[cfg(feature = "dynamo")]
+        "dynamo-radix" => kvrouter_bench::dynamo::replay_radix_tree(log),
+        #[cfg(feature = "dynamo")]
+        "dynamo-crtc" => kvrouter_bench::dynamo::replay_thread_pool(log, threads),
+        other => {
+            bail!("unknown index {other:?} (Dynamo's need --features dynamo); threads {threads}")
+        }
+    })
+}
+
+fn concurrent_one(
+    log: &LoadedLog,
+    index: &str,
+    writers: usize,
+    readers: usize,
+) -> anyhow::Result<ConcurrentReport> {
+    Ok(match index {
+        "tree" => concurrent::run_tree(log, writers, readers),
+        #[cfg(feature = "dynamo")]
+        "dynamo-crtc" => kvrouter_bench::dynamo::concurrent_thread_pool(log, writers, readers),
+        other => bail!("unknown concurrent index {other:?} (Dynamo's needs --features dynamo)"),
+    })
+}
+
+fn print_perf(r: &PerfReport) {
+    println!(
+        "{}: {} ops in {:.3} s: {:.0} ops/s, {:.2} M block ops/s; find_matches p50/p99/p999 {}/{}/{} ns; \
+         peak RSS {:.1} MiB, {:.1} bytes per cached block ({} cached){}; checksum {}",
+        r.index,
+        r.ops,
+        r.elapsed_s,
+        r.ops_per_s,
+        r.block_ops_per_s / 1e6,
+        r.match_p50_ns,
+        r.match_p99_ns,
+        r.match_p999_ns,
+        r.peak_rss_bytes as f64 / (1 << 20) as f64,
+        r.bytes_per_block,
+        r.cached_blocks,
+        r.heap_bytes.map_or(String::new(), |h| format!(
+            ", own heap {:.1} bytes/block",
+            h as f64 / r.cached_blocks.max(1) as f64
+        )),
+        r.score_checksum
+    );
+}
+
+fn print_concurrent(r: &ConcurrentReport) {
+    println!(
+        "{} ({} writers, {} readers): {:.2} M event blocks/s ({:.0} events/s) in {:.3} s; \
+         {:.0} lookups/s, p50/p99/p999 {}/{}/{} ns",
+        r.index,
+        r.writers,
+        r.readers,
+        r.event_blocks_per_s / 1e6,
+        r.events_per_s,
+        r.elapsed_s,
+        r.lookups_per_s,
+        r.lookup_p50_ns,
+        r.lookup_p99_ns,
+        r.lookup_p999_ns
+    );
+}
+
+fn run_child(args: &[String]) -> anyhow::Result<Value> {
+    let exe = std::env::current_exe()?;
+    let out = Command::new(&exe)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {args:?}"))?;
+    if !out.status.success() {
+        bail!("{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+fn compare(log: &Path, runs: usize, writers: usize, readers: usize) -> anyhow::Result<()> {
+    let log_s = log.display().to_string();
+    let mut seq: Vec<(String, Vec<Value>)> = Vec::new();
+    let indexes: Vec<&str> = if cfg!(feature = "dynamo") {
+        vec!["tree", "reference", "dynamo-radix", "dynamo-crtc"]
+    } else {
+        vec!["tree", "reference"]
+    };
+    let mut conc: Vec<(String, Vec<Value>)> = Vec::new();
+    let conc_indexes: Vec<&str> = if cfg!(feature = "dynamo") {
+        vec!["tree", "dynamo-crtc"]
+    } else {
+        vec!["tree"]
+    };
+    for run in 0..runs {
+        for &ix in &indexes {
+            eprintln!("run {}/{runs}: perf {ix}", run + 1);
+            let v = run_child(&[
+                "perf".into(),
+                log_s.clone(),
+                "--index".into(),
+                ix.into(),
+                "--threads".into(),
+                writers.to_string(),
+                "--json".into(),
+            ])?;
+            match seq.iter_mut().find(|(n, _)| n == ix) {
+                Some((_, vs)) => vs.push(v),
+                None => seq.push((ix.to_owned(), vec![v])),
+            }
+        }
+        for &ix in &conc_indexes {
+            eprintln!("run {}/{runs}: concurrent {ix}", run + 1);
+            let v = run_child(&[
+                "concurrent".into(),
+                log_s.clone(),
+                "--index".into(),
+                ix.into(),
+                "--writers".into(),
+                writers.to_string(),
+                "--readers".into(),
+                readers.to_string(),
+                "--json".into(),
+            ])?;
+            match conc.iter_mut().find(|(n, _)| n == ix) {
+                Some((_, vs)) => vs.push(v),
+                None => conc.push((ix.to_owned(), vec![v])),
+            }
+        }
+    }
+    let med = |vs: &[Value], k: &str| median(vs.iter().filter_map(|v| v[k].as_f64()).collect());
+    println!(
+        "## Sequential replay of {log_s} (median of {runs} runs, each index in its own process)\n"
+    );
+    println!(
+        "| index | M block ops/s | ops/s | find p50 ns | p99 ns | p999 ns | peak RSS MiB | bytes/cached block |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, vs) in &seq {
+        println!(
+            "| {name} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} |",
+            med(vs, "block_ops_per_s") / 1e6,
+            med(vs, "ops_per_s"),
+            med(vs, "match_p50_ns"),
+            med(vs, "match_p99_ns"),
+            med(vs, "match_p999_ns"),
+            med(vs, "peak_rss_bytes") / (1 << 20) as f64,
+            med(vs, "bytes_per_block"),
+        );
+    }
+    let get = |name: &str, k: &str| {
+        seq.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, vs)| med(vs, k))
+    };
+    if let (Some(t), Some(d)) = (
+        get("tree", "block_ops_per_s"),
+        get("dynamo-radix", "block_ops_per_s"),
+    ) {
+        println!("\ntree / dynamo-radix: block ops/s x{:.2}", t / d);
+        if let (Some(tb), Some(db)) = (
+            get("tree", "bytes_per_block"),
+            get("dynamo-radix", "bytes_per_block"),
+        ) {
+            println!(
+                "tree / dynamo-radix: bytes per cached block x{:.2}",
+                tb / db
+            );
+        }
+        if let (Some(tp), Some(dp)) = (
+            get("tree", "match_p99_ns"),
+            get("dynamo-radix", "match_p99_ns"),
+        ) {
+            println!("tree / dynamo-radix: find_matches p99 x{:.2}", tp / dp);
+        }
+    }
+    println!(
+        "\n## Concurrent mode ({writers} writers, {readers} readers; median of {runs} runs)\n"
+    );
+    println!(
+        "| index | M event blocks/s | events/s | lookups/s | lookup p50 ns | p99 ns | p999 ns |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (name, vs) in &conc {
+        println!(
+            "| {name} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            med(vs, "event_blocks_per_s") / 1e6,
+            med(vs, "events_per_s"),
+            med(vs, "lookups_per_s"),
+            med(vs, "lookup_p50_ns"),
+            med(vs, "lookup_p99_ns"),
+            med(vs, "lookup_p999_ns"),
+        );
+    }
+    let cget = |name: &str, k: &str| {
+        conc.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, vs)| med(vs, k))
+    };
+    if let (Some(t), Some(d)) = (
+        cget("tree", "event_blocks_per_s"),
+        cget("dynamo-crtc", "event_blocks_per_s"),
+    ) {
+        println!("\ntree / dynamo-crtc: event blocks/s x{:.2}", t / d);
+        let (tl, dl) = (
+            cget("tree", "lookups_per_s").unwrap_or(0.0),
+            cget("dynamo-crtc", "lookups_per_s").unwrap_or(1.0),
+        );
+        println!("tree / dynamo-crtc: lookups/s x{:.2}", tl / dl);
+        let (tp, dp) = (
+            cget("tree", "lookup_p99_ns").unwrap_or(0.0),
+            cget("dynamo-crtc", "lookup_p99_ns").unwrap_or(1.0),
+        );
+        println!("tree / dynamo-crtc: lookup p99 x{:.2}", tp / dp);
+    }
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! Concurrent mode: writer threads apply a log's events at full speed while reader threads
+//! run its queries (cycling through them) until every event is applied. Reports sustained
+//! event blocks/s, events/s, lookups/s and lookup latency percentiles.
+//!
+//! For our tree, each writer thread owns one shard (`TreeIndex::into_parts`) and applies
+//! the events of its workers straight from memory, as a core fed by its own subscription
+//! would. For Dynamo (`crate::dynamo`), the calling thread enqueues every event into its
+//! `ThreadPoolIndexer` and waits for the pool to drain.
+
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvrouter_core::event::RouterEvent;
+use kvrouter_core::hash::LocalBlockHash;
+use kvrouter_core::index::OverlapScores;
+use kvrouter_core::index::tree::{TreeIndex, shard_for};
+use serde::Serialize;
+
+use crate::perf::{LoadedLog, percentile};
+
+/// The result of one concurrent run. Field names are the JSON keys.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConcurrentReport {
+    /// Index name.
+    pub index: String,
+    /// Writer (event) threads.
+    pub writers: usize,
+    /// Reader threads.
+    pub readers: usize,
+    /// Events applied.
+    pub events: u64,
+    /// Blocks named by those events.
+    pub event_blocks: u64,
+    /// Time until every event was applied, seconds.
+    pub elapsed_s: f64,
+    /// Event blocks per second.
+    pub event_blocks_per_s: f64,
+    /// Events per second.
+    pub events_per_s: f64,
+    /// Lookups completed while writers ran.
+    pub lookups: u64,
+    /// Lookups per second.
+    pub lookups_per_s: f64,
+    /// Lookup latency, median, ns.
+    pub lookup_p50_ns: u64,
+    /// Lookup latency, 99th percentile, ns.
+    pub lookup_p99_ns: u64,
+    /// Lookup latency, 99.9th percentile, ns.
+    pub lookup_p999_ns: u64,
+}
+
+/// Runs `readers` lookup threads over `queries` while `write` runs on the calling thread;
+/// `write` returns the time it took to apply every event.
+pub fn measure<L>(
+    index: &str,
+    writers: usize,
+    readers: usize,
+    log: &LoadedLog,
+    lookup: L,
+    write: impl FnOnce(&Barrier) -> Duration,
+) -> ConcurrentReport
+where
+    L: Fn(&[LocalBlockHash], &mut OverlapScores) -> u32 + Sync,
+{
+    let queries: Vec<&[LocalBlockHash]> = log.queries().collect();
+    let done = AtomicBool::new(false);
+    let barrier = Barrier::new(readers + 1);
+    let (elapsed, samples) = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..readers)
+            .map(|r| {
+                let (queries, done, barrier, lookup) = (&queries, &done, &barrier, &lookup);
+                s.spawn(move || {
+                    let mut lat = Vec::with_capacity(1 << 16);
+                    let mut out = OverlapScores::new();
+                    let mut i = r * 997;
+                    barrier.wait();
+                    while !done.load(Ordering::Acquire) && !queries.is_empty() {
+                        let q = queries[i % queries.len()];
+                        let t = Instant::now();
+                        std::hint::black_box(lookup(q, &mut out));
+                        lat.push(t.elapsed().as_nanos() as u64);
+                        i += 1;
+                    }
+                    lat
+                })
+            })
+            .collect();
+        let elapsed = write(&barrier);
+        done.store(true, Ordering::Release);
+        let samples: Vec<u64> = handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("reader"))
+            .collect();
+        (elapsed, samples)
+    });
+    let mut samples = samples;
+    samples.sort_unstable();
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    let events = log.events().count() as u64;
+    ConcurrentReport {
+        index: index.to_owned(),
+        writers,
+        readers,
+        events,
+        event_blocks: log.event_blocks,
+        elapsed_s: secs,
+        event_blocks_per_s: log.event_blocks as f64 / secs,
+        events_per_s: events as f64 / secs,
+        lookups: samples.len() as u64,
+        lookups_per_s: samples.len() as f64 / secs,
+        lookup_p50_ns: percentile(&samples, 0.50),
+        lookup_p99_ns: percentile(&samples, 0.99),
+        lookup_p999_ns: percentile(&samples, 0.999),
+    }
+}
+
+/// Our tree with `writers` shards, one writer thread each.
+pub fn run_tree(log: &LoadedLog, writers: usize, readers: usize) -> ConcurrentReport {
+    let writers = writers.max(1);
+    let (shards, reader) = TreeIndex::new(writers).into_parts();
+    let mut lists: Vec<Vec<&RouterEvent>> = vec![Vec::new(); writers];
+    for e in log.events() {
+        lists[shard_for(e.worker_id, writers)].push(e);
+    }
+    measure(
+        "tree",
+        writers,
+        readers,
+        log,
+        |q, out| {
+            reader.find_matches_into(q, out);
+            out.max_score()
+        },
+        |barrier| {
+            let start_line = Barrier::new(writers + 1);
+            std::thread::scope(|s| {
+                let handles: Vec<_> = shards
+                    .into_iter()
+                    .zip(lists)
+                    .map(|(mut w, list)| {
+                        let start_line = &start_line;
+                        s.spawn(move || {
+                            start_line.wait();
+                            for e in list {
+                                let _ = w.apply_event(e);
+                            }
+                            (Instant::now(), w)
+                        })
+                    })
+                    .collect();
+                barrier.wait();
+                start_line.wait();
+                let t0 = Instant::now();
+                let ends: Vec<_> = handles
+                    .into_iter()
+                    .map(|h| h.join().expect("writer"))
+                    .collect();
+                let last = ends.iter().map(|(t, _)| *t).max().unwrap_or(t0);
+                last.duration_since(t0)
+            })
+        },
+    )
+}
