@@ -54,10 +54,12 @@
 //! An index holds one storage tier: the caller routes each event to the index of its tier
 //! and applies only worker-owned events ([`RouterEvent::is_worker_owned`]).
 
+pub mod approx;
 pub mod ops;
 mod reference;
 pub mod tree;
 
+pub use approx::{ApproxConfig, ApproxIndex};
 pub use reference::ReferenceIndex;
 pub use tree::{ShardWriter, TreeIndex, TreeReader};
 

@@ -65,6 +65,9 @@
 //! the event (`Release` on publication, `Acquire` on every load a lookup makes).
 
 mod blockmap;
+mod garbage;
+#[cfg(all(test, loom))]
+mod loom_models;
 pub(crate) mod raw;
 mod reader;
 mod writer;

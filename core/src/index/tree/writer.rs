@@ -27,6 +27,7 @@ use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
 
 use super::blockmap::BlockMap;
+use super::garbage::{Reclaimer, Retired};
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
 use super::raw::node::Node;
@@ -192,6 +193,8 @@ pub struct ShardWriter {
     chain: BlockMap,
     /// Scratch: where the worker already has each name of a stored chain.
     held: Vec<Option<u64>>,
+    /// Unlinked objects waiting for their grace period.
+    garbage: Reclaimer,
 }
 
 // SAFETY: the raw node pointers in `Meta` point into nodes owned by this writer's tree
@@ -216,6 +219,7 @@ impl ShardWriter {
             blocks: 0,
             chain: BlockMap::new(),
             held: Vec::new(),
+            garbage: Reclaimer::new(),
         }
     }
 
@@ -295,6 +299,17 @@ impl ShardWriter {
     // ---------------------------------------------------------------- apply
 
     pub(crate) fn apply_in(
+        &mut self,
+        event: &RouterEvent,
+        guard: &Guard,
+    ) -> Result<ApplyOutcome, ApplyError> {
+        self.garbage.collect();
+        let r = self.apply_inner(event, guard);
+        self.garbage.flush(guard);
+        r
+    }
+
+    fn apply_inner(
         &mut self,
         event: &RouterEvent,
         guard: &Guard,
@@ -392,10 +407,6 @@ impl ShardWriter {
             event_id,
             block,
         };
-        let map = self.map(slot);
-        for b in blocks {
-            map.prefetch(b.block_hash.0);
-        }
         self.chain.clear();
         for b in blocks {
             if self.chain.insert(b.block_hash.0, 1).is_some() {
@@ -470,7 +481,7 @@ impl ShardWriter {
                     // A renamed path: same block, new name.
                     let loc = pack(t, p);
                     self.state(slot).blocks.remove_where(|_, v| v == loc);
-                    self.state(slot).blocks.insert_new(ext, loc);
+                    self.state(slot).blocks.insert(ext, loc);
                     refresh(self, held, i + 1);
                     out.stored += 1;
                     (n, next) = (t, p + 1);
@@ -493,7 +504,7 @@ impl ShardWriter {
                         .expect("allocated")
                         .blocks;
                     for (j, blk) in blocks[i..i + k].iter().enumerate() {
-                        map.insert_new(blk.block_hash.0, pack(t, p + j as u32));
+                        map.insert(blk.block_hash.0, pack(t, p + j as u32));
                     }
                     self.set_coverage(t, slot, p + k as u32, guard);
                     self.blocks += k;
@@ -533,7 +544,7 @@ impl ShardWriter {
                         .expect("allocated")
                         .blocks;
                     for (j, blk) in rest.iter().enumerate() {
-                        map.insert_new(blk.block_hash.0, pack(t, start + j as u32));
+                        map.insert(blk.block_hash.0, pack(t, start + j as u32));
                     }
                     self.blocks += rest.len();
                     out.stored += rest.len() as u32;
@@ -782,8 +793,8 @@ impl ShardWriter {
                 let grown = Partials::grown(unsafe { old.as_ref() }, cap as usize);
                 node.partial.store(Owned::new(grown), Ordering::Release);
                 if !old.is_null() {
-                    // SAFETY: replaced above; freed after current readers unpin.
-                    unsafe { guard.defer_destroy(old) };
+                    // Replaced above: freed after current readers unpin.
+                    self.garbage.retire(Retired::Partials(old.as_raw()));
                 }
                 self.nodes[x as usize].partial_cap = cap;
             }
@@ -811,8 +822,9 @@ impl ShardWriter {
                 Owned::new(Edge::new(blocks.into_iter(), new_len as usize)),
                 Ordering::Release,
             );
-            // SAFETY: replaced above; freed after current readers unpin.
-            unsafe { guard.defer_destroy(edge) };
+            // Replaced above: freed after current readers unpin.
+            self.garbage.retire(Retired::Edge(edge.as_raw()));
+            let m = &mut self.nodes[x as usize];
             m.cap = new_len;
             m.hwm = new_len;
         }
@@ -841,8 +853,8 @@ impl ShardWriter {
                 Owned::new(Edge::new(blocks.into_iter(), cap)),
                 Ordering::Release,
             );
-            // SAFETY: replaced above; freed after current readers unpin.
-            unsafe { guard.defer_destroy(edge) };
+            // Replaced above: freed after current readers unpin.
+            self.garbage.retire(Retired::Edge(edge.as_raw()));
             self.nodes[x as usize].cap = cap as u32;
         }
         let m = &mut self.nodes[x as usize];
@@ -926,8 +938,8 @@ impl ShardWriter {
         }
         node.children.store(Owned::new(table), Ordering::Release);
         if !old.is_null() {
-            // SAFETY: replaced above; freed after current readers unpin.
-            unsafe { guard.defer_destroy(old) };
+            // Replaced above: freed after current readers unpin.
+            self.garbage.retire(Retired::Children(old.as_raw()));
         }
         let m = &mut self.nodes[x as usize];
         m.child_cap = cap;
@@ -962,10 +974,10 @@ impl ShardWriter {
             let cap = (pm.child_live * 2).next_power_of_two().max(2);
             self.rebuild_children(parent, cap, guard);
         }
-        // SAFETY: `x` is unlinked: no parent table, no map entry (nobody holds it) and no
-        // child refers to it, so only readers pinned before the unlink can reach it; the
-        // collector frees it after they unpin.
-        unsafe { guard.defer_destroy(Shared::from(ptr)) };
+        // `x` is unlinked: no parent table, no map entry (nobody holds it) and no child
+        // refers to it, so only readers pinned before the unlink can reach it; it is freed
+        // after they unpin.
+        self.garbage.retire(Retired::Node(ptr));
         self.nodes[x as usize] = Meta::vacant();
         self.free_ids.push(x);
     }
@@ -973,10 +985,13 @@ impl ShardWriter {
     // ---------------------------------------------------------------- whole workers
 
     pub(crate) fn clear_in(&mut self, worker: WorkerDp, guard: &Guard) -> usize {
-        match self.slot_of.get(&worker) {
+        self.garbage.collect();
+        let n = match self.slot_of.get(&worker) {
             Some(&s) => self.clear_slot(s, guard),
             None => 0,
-        }
+        };
+        self.garbage.flush(guard);
+        n
     }
 
     pub(crate) fn remove_worker_in(&mut self, worker_id: WorkerId, guard: &Guard) -> usize {
@@ -986,6 +1001,7 @@ impl ShardWriter {
             .filter(|(w, _)| w.worker_id == worker_id)
             .map(|(w, s)| (*w, *s))
             .collect();
+        self.garbage.collect();
         let mut dropped = 0;
         for (w, s) in slots {
             dropped += self.clear_slot(s, guard);
@@ -999,6 +1015,7 @@ impl ShardWriter {
                 }
             });
         }
+        self.garbage.flush(guard);
         dropped
     }
 

@@ -100,6 +100,7 @@ impl Edge {
 }
 
 /// Length of the common prefix of two slices, compared eight hashes at a time.
+#[cfg_attr(loom, allow(dead_code))]
 #[inline]
 pub(crate) fn common_prefix(a: &[u64], b: &[u64]) -> usize {
     let n = a.len().min(b.len());
