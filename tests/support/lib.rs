@@ -20,3 +20,141 @@ pub fn shared_dir() -> Option<PathBuf> {
     let dir = repo_root().parent()?.join("shared");
     dir.is_dir().then_some(dir)
 }
+
+/// A `nats-server` of a test's own: a free port, its own store directory, and control
+/// over its life (kill -9, restart on the same port and store).
+#[derive(Debug)]
+pub struct NatsServer {
+    child: Option<std::process::Child>,
+    port: u16,
+    dir: PathBuf,
+    extra: Vec<String>,
+}
+
+fn nats_server_bin() -> PathBuf {
+    for p in [
+        "/usr/sbin/nats-server",
+        "/usr/bin/nats-server",
+        "/usr/local/bin/nats-server",
+    ] {
+        if std::path::Path::new(p).exists() {
+            return PathBuf::from(p);
+        }
+    }
+    PathBuf::from("nats-server")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl NatsServer {
+    /// Starts a server with JetStream on a free port.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra command-line arguments (`--auth`, `--user`, `-c FILE`...).
+    pub fn start_with(extra: &[&str]) -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("kvrouter-nats-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("store dir");
+        let mut s = NatsServer {
+            child: None,
+            port,
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        s.spawn();
+        s
+    }
+
+    /// Writes a config file into the server's directory (for settings without a flag).
+    pub fn config_file(contents: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "kvrouter-nats-{}-{}.conf",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::write(&path, contents).expect("config file");
+        path
+    }
+
+    fn spawn(&mut self) {
+        let child = std::process::Command::new(nats_server_bin())
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.dir)
+            .args(&self.extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nats-server runs (scripts/test.sh installs it)");
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start on {}",
+                self.port
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port and store directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `f` on a fresh glommio executor (with a small io memory, as the 8 MiB memlock
+/// limit requires) and returns its result.
+pub fn on_glommio<F, Fut, T>(f: F) -> T
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .io_memory(256 << 10)
+        .spawn(f)
+        .expect("glommio executor")
+        .join()
+        .expect("executor thread")
+}

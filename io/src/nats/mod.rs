@@ -1,0 +1,11 @@
+//! NATS for kvrouter: the sans-io protocol ([`proto`]) and a client on glommio's io_uring
+//! sockets ([`client`]). No existing crate serves glommio, so the client is ours; it speaks
+//! the core protocol (INFO, CONNECT, PUB/HPUB, SUB/UNSUB, MSG/HMSG, PING/PONG, +OK/-ERR)
+//! with token and user/password authentication, request/reply through an inbox,
+//! `max_payload`, pipelined writes with backpressure, and reconnects with re-subscription.
+
+pub mod client;
+pub mod proto;
+
+pub use client::{Client, NatsError, Options, ReplyStream, Stats, Subscription};
+pub use proto::{Msg, ServerInfo};
