@@ -9,6 +9,8 @@
 //!   replica sync, metrics) and its JSON form of KV events.
 //! * [`index`]: the `Index` trait, the semantics every index obeys, and the reference
 //!   index that is the oracle for the fast ones.
+//! * [`recovery`]: event-id bookkeeping (gaps, duplicates, restarts), the recovery protocol
+//!   between the router and workers' local indexers, and worker announcements.
 //! * [`replay`]: replay logs of index operations with expected answers (the conformance
 //!   corpus and the benchmark input).
 //!
@@ -21,6 +23,7 @@ pub mod codec;
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod recovery;
 pub mod replay;
 mod sync;
 pub mod worker;

@@ -5,8 +5,13 @@
 //! * [`log`]: reading replay logs (plain or zstd-compressed JSON lines) from files or
 //!   memory.
 //! * [`nats`]: the NATS protocol and a client on glommio's io_uring sockets.
+//! * [`ingest`]: KV-event ingest (thread per core): NATS → decode → the shard core that owns
+//!   the worker → the lock-free index; gap recovery, restarts, discovery, liveness.
+//! * [`worker`]: the worker-side library: `KvPublisher` and its local indexer.
 //!
 //! **Architecture Invariant:** `io` depends on `core`, never the other way round.
 
+pub mod ingest;
 pub mod log;
 pub mod nats;
+pub mod worker;

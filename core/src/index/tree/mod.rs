@@ -132,6 +132,11 @@ impl ShardWriter {
         v
     }
 
+    /// What this shard knows of one (worker, dp rank).
+    pub fn summary(&self, worker: WorkerDp) -> Option<WorkerSummary> {
+        self.summary_of(worker)
+    }
+
     /// Blocks held by this shard's workers.
     pub fn block_count(&self) -> usize {
         self.blocks_held()

@@ -1027,6 +1027,15 @@ impl ShardWriter {
         })
     }
 
+    pub(crate) fn summary_of(&self, worker: WorkerDp) -> Option<WorkerSummary> {
+        let s = self.slots[*self.slot_of.get(&worker)? as usize].as_ref()?;
+        Some(WorkerSummary {
+            worker,
+            blocks: s.blocks.len(),
+            last_event_id: s.last_event_id,
+        })
+    }
+
     pub(crate) fn blocks_held(&self) -> usize {
         self.blocks
     }

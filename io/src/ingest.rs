@@ -1,0 +1,959 @@
+//! KV-event ingest: NATS → decode → the core that owns the worker → the lock-free index.
+//!
+//! # Threads
+//!
+//! Thread per core, on glommio executors (placement configurable, io memory sized
+//! explicitly because the memlock limit is small):
+//!
+//! * the **NATS core** runs the [`Client`], subscribes to the kv-events, metrics and
+//!   discovery subjects, decodes every message (bad ones are counted, logged and
+//!   skipped), tracks worker liveness, runs recovery requests, and hands each worker's
+//!   events to the shard that owns the worker (`shard_for(worker_id)`) over a bounded flume
+//!   channel, in arrival order;
+//! * each **shard core** owns one [`ShardWriter`] and the event-id bookkeeping of its
+//!   workers ([`EventIds`]): it applies events as they arrive, never waiting for more.
+//!
+//! Lookups go through a [`TreeReader`] from any thread.
+//!
+//! # Gaps, restarts, recovery
+//!
+//! Per (worker, dp rank) the shard keeps the last applied event id (see
+//! [`kvrouter_core::recovery`]). On a gap, a worker that announced itself (it has a local
+//! indexer) is asked for the missing range; its later events wait in a per-worker queue
+//! until the answer (the range, or a full dump) is applied. A worker that never announced
+//! itself (a stock Dynamo worker) is registered by its first event, applied at once; a gap
+//! is logged and counted and the event applied. An id lower than the last one means the
+//! worker restarted: its rank is cleared and rebuilt from the new events.
+//!
+//! # Discovery and liveness
+//!
+//! Announced workers get a full dump when first seen, and are removed after missing three
+//! heartbeats or on a `leaving` announcement. Any message a worker publishes
+//! (kv-events, `kv_metrics`, `forward-pass-metrics`) counts as a heartbeat; a worker that
+//! never announced is removed after `silence_timeout` without messages.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use glommio::{LocalExecutorBuilder, Placement};
+use kvrouter_core::codec::{self, Envelope, Subjects, kv, metrics};
+use kvrouter_core::event::RouterEvent;
+use kvrouter_core::index::tree::{ShardWriter, TreeIndex, TreeReader, shard_for};
+use kvrouter_core::index::{ApplyError, WorkerSummary};
+use kvrouter_core::recovery::{Announcement, EventIds, RecoveryReply, RecoveryRequest, Verdict};
+use kvrouter_core::worker::{DpRank, StorageTier, WorkerDp, WorkerId};
+
+use crate::nats::{Client, NatsError, Options};
+use crate::worker::TOPIC_WORKERS;
+
+/// Settings of the ingest.
+#[derive(Debug, Clone)]
+pub struct IngestConfig {
+    /// NATS connection.
+    pub nats: Options,
+    /// Subject naming (Dynamo's defaults: `dynamo`, `backend`, `generate`).
+    pub subjects: Subjects,
+    /// Shard cores (index writers).
+    pub shards: usize,
+    /// CPUs to pin executors to: `[nats, shard0, shard1, ...]`; empty: unbound.
+    pub cpus: Vec<usize>,
+    /// io_uring memory per executor, bytes.
+    pub io_memory: usize,
+    /// Remove a never-announced worker after this long without messages.
+    pub silence_timeout: Duration,
+    /// Remove an announced worker after this many missed heartbeats.
+    pub heartbeat_misses: u32,
+    /// How long to wait for a recovery answer (per chunk).
+    pub recovery_timeout: Duration,
+    /// Record the arrival-to-visible latency of every message (for benchmarks).
+    pub record_latency: bool,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            nats: Options::default(),
+            subjects: Subjects::default(),
+            shards: 1,
+            cpus: Vec::new(),
+            io_memory: 512 << 10,
+            silence_timeout: Duration::from_secs(60),
+            heartbeat_misses: 3,
+            recovery_timeout: Duration::from_secs(2),
+            record_latency: false,
+        }
+    }
+}
+
+/// Why the ingest could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IngestError {
+    /// NATS failed (connecting, subscribing).
+    #[error("nats: {0}")]
+    Nats(#[from] NatsError),
+    /// An executor could not start (io_uring, memlock).
+    #[error("executor: {0}")]
+    Executor(String),
+}
+
+/// Counters of the ingest; each is written by one core, read on scrape.
+#[derive(Debug, Default)]
+pub struct IngestCounters {
+    /// kv-events messages received.
+    pub messages: AtomicU64,
+    /// Messages that failed to decode (skipped).
+    pub decode_errors: AtomicU64,
+    /// Events applied.
+    pub events: AtomicU64,
+    /// Blocks named by applied events.
+    pub event_blocks: AtomicU64,
+    /// Events ignored as duplicates.
+    pub duplicates: AtomicU64,
+    /// Events rejected by the index (e.g. unknown parent).
+    pub rejected: AtomicU64,
+    /// Gaps seen.
+    pub gaps: AtomicU64,
+    /// Gaps repaired from a local indexer (range or dump).
+    pub recoveries: AtomicU64,
+    /// Full dumps applied.
+    pub dumps: AtomicU64,
+    /// Recoveries that failed (timeout, no responders); events applied best effort.
+    pub recovery_failures: AtomicU64,
+    /// Worker restarts detected.
+    pub restarts: AtomicU64,
+    /// Workers removed (silence, missed heartbeats, leaving).
+    pub workers_removed: AtomicU64,
+    /// Events skipped: not worker-owned or not on the device tier.
+    pub skipped: AtomicU64,
+    /// Messages dropped by the NATS client because the ingest fell behind.
+    pub nats_dropped: AtomicU64,
+    /// NATS reconnects.
+    pub nats_reconnects: AtomicU64,
+}
+
+/// A snapshot of [`IngestCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[allow(missing_docs)]
+pub struct IngestStats {
+    pub messages: u64,
+    pub decode_errors: u64,
+    pub events: u64,
+    pub event_blocks: u64,
+    pub duplicates: u64,
+    pub rejected: u64,
+    pub gaps: u64,
+    pub recoveries: u64,
+    pub dumps: u64,
+    pub recovery_failures: u64,
+    pub restarts: u64,
+    pub workers_removed: u64,
+    pub skipped: u64,
+    pub nats_dropped: u64,
+    pub nats_reconnects: u64,
+}
+
+impl IngestCounters {
+    fn snapshot(&self) -> IngestStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IngestStats {
+            messages: l(&self.messages),
+            decode_errors: l(&self.decode_errors),
+            events: l(&self.events),
+            event_blocks: l(&self.event_blocks),
+            duplicates: l(&self.duplicates),
+            rejected: l(&self.rejected),
+            gaps: l(&self.gaps),
+            recoveries: l(&self.recoveries),
+            dumps: l(&self.dumps),
+            recovery_failures: l(&self.recovery_failures),
+            restarts: l(&self.restarts),
+            workers_removed: l(&self.workers_removed),
+            skipped: l(&self.skipped),
+            nats_dropped: l(&self.nats_dropped),
+            nats_reconnects: l(&self.nats_reconnects),
+        }
+    }
+}
+
+fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// What a recovery brought back.
+#[derive(Debug)]
+enum Recovered {
+    Range {
+        publisher: u64,
+        events: Vec<RouterEvent>,
+    },
+    Dump {
+        publisher: u64,
+        events: Vec<RouterEvent>,
+        last_event_ids: Vec<(DpRank, u64)>,
+    },
+    Failed(String),
+}
+
+enum ShardCmd {
+    Events {
+        events: Vec<RouterEvent>,
+        publisher: u64,
+        arrived: Instant,
+    },
+    Heartbeat {
+        worker_id: WorkerId,
+        last_event_ids: Vec<(DpRank, u64)>,
+    },
+    Announced {
+        worker_id: WorkerId,
+    },
+    Recovered {
+        worker_id: WorkerId,
+        result: Recovered,
+    },
+    Remove {
+        worker_id: WorkerId,
+    },
+    Stop,
+}
+
+enum NatsCmd {
+    Recover {
+        shard: usize,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        range: Option<(u64, u64)>,
+    },
+    Stop,
+}
+
+/// Per-shard view shared with readers of worker summaries.
+type Summaries = Arc<Mutex<HashMap<WorkerDp, WorkerSummary>>>;
+
+/// A running ingest. Dropping it stops the executors.
+pub struct Ingest {
+    reader: TreeReader,
+    counters: Arc<IngestCounters>,
+    ready: Arc<AtomicBool>,
+    summaries: Vec<Summaries>,
+    shard_tx: Vec<flume::Sender<ShardCmd>>,
+    nats_tx: flume::Sender<NatsCmd>,
+    latencies: Arc<Mutex<Vec<u64>>>,
+    threads: Vec<glommio::ExecutorJoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Ingest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ingest")
+            .field("shards", &self.shard_tx.len())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for ShardCmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ShardCmd")
+    }
+}
+
+impl std::fmt::Debug for NatsCmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NatsCmd")
+    }
+}
+
+fn builder(cfg: &IngestConfig, i: usize, name: &str) -> LocalExecutorBuilder {
+    let placement = match cfg.cpus.get(i) {
+        Some(&cpu) => Placement::Fixed(cpu),
+        None => Placement::Unbound,
+    };
+    LocalExecutorBuilder::new(placement)
+        .name(name)
+        .io_memory(cfg.io_memory)
+}
+
+impl Ingest {
+    /// Starts the executors, connects and subscribes; returns once the subscriptions are
+    /// active (or the first connection failed).
+    pub fn start(cfg: IngestConfig) -> Result<Ingest, IngestError> {
+        let shards = cfg.shards.max(1);
+        let (writers, reader) = TreeIndex::new(shards).into_parts();
+        let counters = Arc::new(IngestCounters::default());
+        let ready = Arc::new(AtomicBool::new(false));
+        let latencies = Arc::new(Mutex::new(Vec::new()));
+        let (nats_tx, nats_rx) = flume::unbounded::<NatsCmd>();
+        let mut shard_tx = Vec::new();
+        let mut shard_rx = Vec::new();
+        for _ in 0..shards {
+            let (tx, rx) = flume::bounded::<ShardCmd>(4096);
+            shard_tx.push(tx);
+            shard_rx.push(rx);
+        }
+        let mut threads = Vec::new();
+        let mut summaries = Vec::new();
+        for (i, (writer, rx)) in writers.into_iter().zip(shard_rx).enumerate() {
+            let sum: Summaries = Arc::new(Mutex::new(HashMap::new()));
+            summaries.push(Arc::clone(&sum));
+            let shard = ShardCore {
+                index: i,
+                writer,
+                ids: EventIds::new(),
+                announced: HashMap::new(),
+                recovering: HashMap::new(),
+                counters: Arc::clone(&counters),
+                nats: nats_tx.clone(),
+                summaries: sum,
+                latencies: cfg.record_latency.then(|| Arc::clone(&latencies)),
+            };
+            let h = builder(&cfg, i + 1, &format!("kvrouter-shard-{i}"))
+                .spawn(move || async move { shard.run(rx).await })
+                .map_err(|e| IngestError::Executor(e.to_string()))?;
+            threads.push(h);
+        }
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<(), NatsError>>();
+        let nats_core = NatsCoreConfig {
+            cfg: cfg.clone(),
+            shards: shard_tx.clone(),
+            counters: Arc::clone(&counters),
+            ready: Arc::clone(&ready),
+        };
+        let h = builder(&cfg, 0, "kvrouter-nats")
+            .spawn(move || async move { nats_core.start().run(nats_rx, started_tx).await })
+            .map_err(|e| IngestError::Executor(e.to_string()))?;
+        threads.push(h);
+        let ingest = Ingest {
+            reader,
+            counters,
+            ready,
+            summaries,
+            shard_tx,
+            nats_tx,
+            latencies,
+            threads,
+        };
+        match started_rx.recv() {
+            Ok(Ok(())) => Ok(ingest),
+            Ok(Err(e)) => Err(IngestError::Nats(e)),
+            Err(_) => Err(IngestError::Executor("the NATS core stopped".into())),
+        }
+    }
+
+    /// Lock-free lookups into the index this ingest feeds.
+    pub fn reader(&self) -> TreeReader {
+        self.reader.clone()
+    }
+
+    /// Whether the NATS subscriptions are active (false while reconnecting).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> IngestStats {
+        self.counters.snapshot()
+    }
+
+    /// Known (worker, dp rank)s with their block counts and last applied event ids.
+    pub fn workers(&self) -> Vec<WorkerSummary> {
+        let mut v: Vec<WorkerSummary> = self
+            .summaries
+            .iter()
+            .flat_map(|s| {
+                s.lock()
+                    .map(|m| m.values().copied().collect::<Vec<_>>())
+                    .unwrap_or_default()
+            })
+            .collect();
+        v.sort_by_key(|s| s.worker);
+        v
+    }
+
+    /// The last applied event id of one (worker, dp rank).
+    pub fn last_event_id(&self, worker: WorkerDp) -> Option<u64> {
+        let shard = shard_for(worker.worker_id, self.summaries.len());
+        self.summaries[shard]
+            .lock()
+            .ok()?
+            .get(&worker)
+            .and_then(|s| s.last_event_id)
+    }
+
+    /// Arrival-to-visible latencies recorded so far, ns (with `record_latency`).
+    pub fn take_latencies(&self) -> Vec<u64> {
+        self.latencies
+            .lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default()
+    }
+
+    /// Removes a worker now (all dp ranks).
+    pub fn remove_worker(&self, worker_id: WorkerId) {
+        let shard = shard_for(worker_id, self.shard_tx.len());
+        let _ = self.shard_tx[shard].send(ShardCmd::Remove { worker_id });
+    }
+
+    /// Stops every executor and waits for them.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let _ = self.nats_tx.send(NatsCmd::Stop);
+        for tx in &self.shard_tx {
+            let _ = tx.send(ShardCmd::Stop);
+        }
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Ingest {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+// ------------------------------------------------------------------------------ shards
+
+struct ShardCore {
+    index: usize,
+    writer: ShardWriter,
+    ids: EventIds,
+    /// Workers with a local indexer (announced).
+    announced: HashMap<WorkerId, ()>,
+    /// Workers waiting for a recovery answer, with the events that arrived meanwhile.
+    recovering: HashMap<WorkerId, VecDeque<(RouterEvent, u64)>>,
+    counters: Arc<IngestCounters>,
+    nats: flume::Sender<NatsCmd>,
+    summaries: Summaries,
+    latencies: Option<Arc<Mutex<Vec<u64>>>>,
+}
+
+impl ShardCore {
+    async fn run(mut self, rx: flume::Receiver<ShardCmd>) {
+        while let Ok(cmd) = rx.recv_async().await {
+            match cmd {
+                ShardCmd::Events {
+                    events,
+                    publisher,
+                    arrived,
+                } => {
+                    for e in events {
+                        self.handle(e, publisher);
+                    }
+                    if let Some(mut v) = self.latencies.as_ref().and_then(|l| l.lock().ok()) {
+                        v.push(arrived.elapsed().as_nanos() as u64);
+                    }
+                }
+                ShardCmd::Announced { worker_id } => {
+                    self.announced.insert(worker_id, ());
+                    // Load the worker's full state; hold its events until it arrives.
+                    self.recover(worker_id, None, None);
+                }
+                ShardCmd::Recovered { worker_id, result } => self.recovered(worker_id, result),
+                ShardCmd::Heartbeat {
+                    worker_id,
+                    last_event_ids,
+                } => {
+                    // Trailing gap: the worker published events we never received.
+                    if !self.recovering.contains_key(&worker_id) {
+                        for (dp, published) in last_event_ids {
+                            let w = WorkerDp::new(worker_id, dp);
+                            match self.ids.last(w) {
+                                Some(last) if last < published => {
+                                    bump(&self.counters.gaps, 1);
+                                    self.recover(worker_id, Some(dp), Some((last + 1, published)));
+                                    break;
+                                }
+                                None => {
+                                    self.recover(worker_id, None, None);
+                                    break;
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                }
+                ShardCmd::Remove { worker_id } => {
+                    self.writer.remove_worker(worker_id);
+                    self.ids.forget_worker(worker_id);
+                    self.recovering.remove(&worker_id);
+                    self.announced.remove(&worker_id);
+                    bump(&self.counters.workers_removed, 1);
+                    if let Ok(mut m) = self.summaries.lock() {
+                        m.retain(|w, _| w.worker_id != worker_id);
+                    }
+                }
+                ShardCmd::Stop => return,
+            }
+        }
+    }
+
+    fn recover(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>, range: Option<(u64, u64)>) {
+        self.recovering.entry(worker_id).or_default();
+        let _ = self.nats.send(NatsCmd::Recover {
+            shard: self.index,
+            worker_id,
+            dp_rank,
+            range,
+        });
+    }
+
+    fn handle(&mut self, e: RouterEvent, publisher: u64) {
+        if !e.is_worker_owned() || e.storage_tier != StorageTier::Device {
+            bump(&self.counters.skipped, 1);
+            return;
+        }
+        if let Some(queue) = self.recovering.get_mut(&e.worker_id) {
+            queue.push_back((e, publisher));
+            return;
+        }
+        let w = e.worker();
+        let id = e.event.event_id;
+        match self.ids.verdict(w, id, publisher) {
+            Verdict::Apply => self.apply(e, publisher),
+            Verdict::Duplicate => bump(&self.counters.duplicates, 1),
+            Verdict::Restart => {
+                tracing::info!(worker = %w, event_id = id, "worker restarted: resetting its state");
+                bump(&self.counters.restarts, 1);
+                self.writer.clear_worker(w);
+                self.ids.forget(w);
+                self.apply(e, publisher);
+            }
+            Verdict::Gap { first, last } => {
+                bump(&self.counters.gaps, 1);
+                if self.announced.contains_key(&w.worker_id) {
+                    tracing::debug!(worker = %w, first, last, "gap: asking the worker's local indexer");
+                    self.recovering
+                        .entry(w.worker_id)
+                        .or_default()
+                        .push_back((e, publisher));
+                    self.recover(w.worker_id, Some(w.dp_rank), Some((first, last)));
+                } else {
+                    tracing::warn!(worker = %w, first, last, "gap in the events of a worker without a local indexer");
+                    self.apply(e, publisher);
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, e: RouterEvent, publisher: u64) {
+        let w = e.worker();
+        let id = e.event.event_id;
+        let blocks = e.block_count() as u64;
+        match self.writer.apply_event(&e) {
+            Ok(_) => {
+                bump(&self.counters.events, 1);
+                bump(&self.counters.event_blocks, blocks);
+            }
+            Err(err) => {
+                bump(&self.counters.rejected, 1);
+                tracing::warn!(worker = %w, error = %err, "event rejected");
+                if matches!(err, ApplyError::ParentNotFound { .. })
+                    && self.announced.contains_key(&w.worker_id)
+                {
+                    // We are out of sync with this worker: reload its state.
+                    self.ids.set(w, id, publisher);
+                    self.summarize(w);
+                    self.recover(w.worker_id, Some(w.dp_rank), None);
+                    return;
+                }
+            }
+        }
+        self.ids.set(w, id, publisher);
+        self.summarize(w);
+    }
+
+    fn summarize(&self, w: WorkerDp) {
+        if let Ok(mut m) = self.summaries.lock() {
+            match self.writer.summary(w) {
+                Some(s) => m.insert(
+                    w,
+                    WorkerSummary {
+                        last_event_id: self.ids.last(w),
+                        ..s
+                    },
+                ),
+                None => m.remove(&w),
+            };
+        }
+    }
+
+    fn recovered(&mut self, worker_id: WorkerId, result: Recovered) {
+        let pending = self.recovering.remove(&worker_id).unwrap_or_default();
+        match result {
+            Recovered::Range { publisher, events } => {
+                bump(&self.counters.recoveries, 1);
+                for e in events {
+                    let w = e.worker();
+                    if self.ids.verdict(w, e.event.event_id, publisher) == Verdict::Apply {
+                        self.apply(e, publisher);
+                    }
+                }
+            }
+            Recovered::Dump {
+                publisher,
+                events,
+                last_event_ids,
+            } => {
+                bump(&self.counters.dumps, 1);
+                bump(&self.counters.recoveries, 1);
+                for e in events {
+                    let w = e.worker();
+                    let blocks = e.block_count() as u64;
+                    if self.writer.apply_event(&e).is_ok() {
+                        bump(&self.counters.event_blocks, blocks);
+                    }
+                    self.summarize(w);
+                }
+                for (dp, last) in last_event_ids {
+                    let w = WorkerDp::new(worker_id, dp);
+                    self.ids.set(w, last, publisher);
+                    self.summarize(w);
+                }
+            }
+            Recovered::Failed(why) => {
+                bump(&self.counters.recovery_failures, 1);
+                tracing::warn!(worker_id, %why, "recovery failed: applying its events best effort");
+                // Accept whatever comes next as the new baseline.
+                self.ids.forget_worker(worker_id);
+            }
+        }
+        for (e, publisher) in pending {
+            self.handle(e, publisher);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ NATS core
+
+#[derive(Debug, Clone, Copy)]
+struct Liveness {
+    last_seen: Instant,
+    /// Heartbeat interval of an announced worker.
+    heartbeat: Option<Duration>,
+}
+
+/// What the NATS core is built from (sent to its thread).
+struct NatsCoreConfig {
+    cfg: IngestConfig,
+    shards: Vec<flume::Sender<ShardCmd>>,
+    counters: Arc<IngestCounters>,
+    ready: Arc<AtomicBool>,
+}
+
+impl NatsCoreConfig {
+    fn start(self) -> NatsCore {
+        NatsCore {
+            cfg: self.cfg,
+            shards: self.shards,
+            counters: self.counters,
+            ready: self.ready,
+            workers: RefCell::new(HashMap::new()),
+        }
+    }
+}
+
+struct NatsCore {
+    cfg: IngestConfig,
+    shards: Vec<flume::Sender<ShardCmd>>,
+    counters: Arc<IngestCounters>,
+    ready: Arc<AtomicBool>,
+    workers: RefCell<HashMap<WorkerId, Liveness>>,
+}
+
+impl NatsCore {
+    fn shard_of(&self, worker_id: WorkerId) -> usize {
+        shard_for(worker_id, self.shards.len())
+    }
+
+    async fn run(
+        self,
+        cmds: flume::Receiver<NatsCmd>,
+        started: std::sync::mpsc::Sender<Result<(), NatsError>>,
+    ) {
+        let client = match Client::connect(self.cfg.nats.clone()).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = started.send(Err(e));
+                return;
+            }
+        };
+        let subs = (|| -> Result<_, NatsError> {
+            Ok((
+                client.subscribe(&self.cfg.subjects.kv_events(), None)?,
+                client.subscribe(&self.cfg.subjects.subject(codec::TOPIC_KV_METRICS), None)?,
+                client.subscribe(
+                    &self.cfg.subjects.subject(codec::TOPIC_FORWARD_PASS_METRICS),
+                    None,
+                )?,
+                client.subscribe(&self.cfg.subjects.subject(TOPIC_WORKERS), None)?,
+            ))
+        })();
+        let (events_sub, kvm_sub, fpm_sub, disc_sub) = match subs {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = started.send(Err(e));
+                return;
+            }
+        };
+        if let Err(e) = client.flush(Duration::from_secs(5)).await {
+            let _ = started.send(Err(e));
+            return;
+        }
+        self.ready.store(true, Ordering::Release);
+        let _ = started.send(Ok(()));
+        let me = Rc::new(self);
+
+        // kv-events.
+        let m = Rc::clone(&me);
+        let events_task = glommio::spawn_local(async move {
+            while let Some(msg) = events_sub.next().await {
+                m.on_events(&msg.payload).await;
+            }
+        });
+        // Metrics: heartbeats only.
+        for sub in [kvm_sub, fpm_sub] {
+            let m = Rc::clone(&me);
+            glommio::spawn_local(async move {
+                while let Some(msg) = sub.next().await {
+                    match Envelope::decode(&msg.payload)
+                        .and_then(|env| metrics::heartbeat_worker(&env))
+                    {
+                        Ok(Some(w)) => m.seen(w.worker_id, None),
+                        Ok(None) => {}
+                        Err(e) => {
+                            bump(&m.counters.decode_errors, 1);
+                            tracing::debug!(error = %e, "undecodable metrics message");
+                        }
+                    }
+                }
+            })
+            .detach();
+        }
+        // Discovery.
+        let m = Rc::clone(&me);
+        glommio::spawn_local(async move {
+            while let Some(msg) = disc_sub.next().await {
+                match serde_json::from_slice::<Announcement>(&msg.payload) {
+                    Ok(a) => m.on_announcement(a).await,
+                    Err(e) => {
+                        bump(&m.counters.decode_errors, 1);
+                        tracing::warn!(error = %e, "malformed worker announcement");
+                    }
+                }
+            }
+        })
+        .detach();
+        // Liveness and client counters.
+        let m = Rc::clone(&me);
+        let c = client.clone();
+        glommio::spawn_local(async move {
+            loop {
+                glommio::timer::sleep(Duration::from_millis(100)).await;
+                m.reap().await;
+                let st = c.stats();
+                m.counters.nats_dropped.store(st.dropped, Ordering::Relaxed);
+                m.counters
+                    .nats_reconnects
+                    .store(st.reconnects, Ordering::Relaxed);
+                m.ready.store(c.is_connected(), Ordering::Release);
+            }
+        })
+        .detach();
+        // Recovery requests from the shards.
+        while let Ok(cmd) = cmds.recv_async().await {
+            match cmd {
+                NatsCmd::Recover {
+                    shard,
+                    worker_id,
+                    dp_rank,
+                    range,
+                } => {
+                    let (m, c) = (Rc::clone(&me), client.clone());
+                    glommio::spawn_local(async move {
+                        let result = m.recover(&c, worker_id, dp_rank, range).await;
+                        let _ = m.shards[shard]
+                            .send_async(ShardCmd::Recovered { worker_id, result })
+                            .await;
+                    })
+                    .detach();
+                }
+                NatsCmd::Stop => break,
+            }
+        }
+        drop(events_task);
+        client.close();
+    }
+
+    fn seen(&self, worker_id: WorkerId, heartbeat: Option<Duration>) {
+        let mut w = self.workers.borrow_mut();
+        let entry = w.entry(worker_id).or_insert(Liveness {
+            last_seen: Instant::now(),
+            heartbeat,
+        });
+        entry.last_seen = Instant::now();
+        if heartbeat.is_some() {
+            entry.heartbeat = heartbeat;
+        }
+    }
+
+    async fn on_events(&self, payload: &[u8]) {
+        let arrived = Instant::now();
+        bump(&self.counters.messages, 1);
+        let (publisher, events) = match kv::decode_message(payload) {
+            Ok((env, events)) => (env.publisher_id, events),
+            Err(e) => {
+                bump(&self.counters.decode_errors, 1);
+                tracing::warn!(error = %e, kind = e.kind(), "undecodable kv-events message skipped");
+                return;
+            }
+        };
+        let mut per_shard: Vec<Vec<RouterEvent>> = vec![Vec::new(); self.shards.len()];
+        for e in events {
+            self.seen(e.worker_id, None);
+            per_shard[self.shard_of(e.worker_id)].push(e);
+        }
+        for (i, events) in per_shard.into_iter().enumerate() {
+            if !events.is_empty() {
+                let _ = self.shards[i]
+                    .send_async(ShardCmd::Events {
+                        events,
+                        publisher,
+                        arrived,
+                    })
+                    .await;
+            }
+        }
+    }
+
+    async fn on_announcement(&self, a: Announcement) {
+        let shard = self.shard_of(a.worker_id);
+        if a.leaving {
+            self.workers.borrow_mut().remove(&a.worker_id);
+            let _ = self.shards[shard]
+                .send_async(ShardCmd::Remove {
+                    worker_id: a.worker_id,
+                })
+                .await;
+            return;
+        }
+        let known = self
+            .workers
+            .borrow()
+            .get(&a.worker_id)
+            .is_some_and(|l| l.heartbeat.is_some());
+        self.seen(
+            a.worker_id,
+            Some(Duration::from_millis(a.heartbeat_ms.max(1))),
+        );
+        if !known {
+            tracing::info!(
+                worker_id = a.worker_id,
+                "worker announced: loading its state"
+            );
+            let _ = self.shards[shard]
+                .send_async(ShardCmd::Announced {
+                    worker_id: a.worker_id,
+                })
+                .await;
+        } else if !a.last_event_ids.is_empty() {
+            let cmd = ShardCmd::Heartbeat {
+                worker_id: a.worker_id,
+                last_event_ids: a.last_event_ids,
+            };
+            let _ = self.shards[shard].send_async(cmd).await;
+        }
+    }
+
+    async fn reap(&self) {
+        let now = Instant::now();
+        let dead: Vec<WorkerId> = self
+            .workers
+            .borrow()
+            .iter()
+            .filter(|(_, l)| {
+                let limit = l
+                    .heartbeat
+                    .map_or(self.cfg.silence_timeout, |h| h * self.cfg.heartbeat_misses);
+                now.duration_since(l.last_seen) > limit
+            })
+            .map(|(&w, _)| w)
+            .collect();
+        for w in dead {
+            tracing::info!(worker_id = w, "worker silent: removing it");
+            self.workers.borrow_mut().remove(&w);
+            let _ = self.shards[self.shard_of(w)]
+                .send_async(ShardCmd::Remove { worker_id: w })
+                .await;
+        }
+    }
+
+    async fn recover(
+        &self,
+        client: &Client,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        range: Option<(u64, u64)>,
+    ) -> Recovered {
+        let subject = crate::worker::recovery_subject(&self.cfg.subjects, worker_id);
+        let req = RecoveryRequest {
+            worker_id,
+            dp_rank,
+            range,
+        };
+        let body = match req.encode() {
+            Ok(b) => b,
+            Err(e) => return Recovered::Failed(e.to_string()),
+        };
+        let stream = match client.request_stream(&subject, &body).await {
+            Ok(s) => s,
+            Err(e) => return Recovered::Failed(e.to_string()),
+        };
+        let mut dump_events = Vec::new();
+        loop {
+            let msg = match stream.next(self.cfg.recovery_timeout).await {
+                Ok(m) => m,
+                Err(e) => return Recovered::Failed(e.to_string()),
+            };
+            match RecoveryReply::decode(&msg.payload) {
+                Ok(RecoveryReply::Range {
+                    publisher_id,
+                    events,
+                }) => {
+                    return Recovered::Range {
+                        publisher: publisher_id,
+                        events,
+                    };
+                }
+                Ok(RecoveryReply::Dump {
+                    publisher_id,
+                    last_chunk,
+                    last_event_ids,
+                    events,
+                    ..
+                }) => {
+                    dump_events.extend(events);
+                    if last_chunk {
+                        return Recovered::Dump {
+                            publisher: publisher_id,
+                            events: dump_events,
+                            last_event_ids,
+                        };
+                    }
+                }
+                Err(e) => {
+                    bump(&self.counters.decode_errors, 1);
+                    return Recovered::Failed(e.to_string());
+                }
+            }
+        }
+    }
+}

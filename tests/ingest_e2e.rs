@@ -1,0 +1,478 @@
+//! End-to-end ingest over a real `nats-server` (each test its own): workers publish through
+//! the worker library, the router's ingest applies, and its index must equal the reference
+//! index fed the same events — also with injected message loss, worker restarts, a broker
+//! restart mid-stream, malformed payloads, stock Dynamo workers (no local indexer) and
+//! departures.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+use kvrouter_core::hash::LocalBlockHash;
+use kvrouter_core::index::{Index, ReferenceIndex};
+use kvrouter_core::replay::ReplayOp;
+use kvrouter_core::worker::{WorkerDp, WorkerId};
+use kvrouter_io::ingest::{Ingest, IngestConfig};
+use kvrouter_io::log::LogReader;
+use kvrouter_io::nats::{Client, Options};
+use kvrouter_io::worker::{KvPublisher, PublisherOptions};
+use kvrouter_tests::{NatsServer, on_glommio, repo_root};
+
+fn nats_opts(url: &str) -> Options {
+    Options {
+        servers: vec![url.to_owned()],
+        ping_interval: Duration::from_millis(500),
+        ..Default::default()
+    }
+}
+
+fn ingest(url: &str, shards: usize) -> Ingest {
+    Ingest::start(IngestConfig {
+        nats: nats_opts(url),
+        shards,
+        recovery_timeout: Duration::from_secs(2),
+        silence_timeout: Duration::from_secs(30),
+        ..Default::default()
+    })
+    .expect("ingest starts")
+}
+
+/// The sample log's events and final queries: (events in order, queries).
+fn sample() -> (Vec<RouterEvent>, Vec<Vec<LocalBlockHash>>) {
+    let mut reader = LogReader::open(repo_root().join("bench/data/sample_w4.jsonl.zst")).unwrap();
+    let (mut events, mut queries) = (Vec::new(), Vec::new());
+    while let Some((_, op)) = reader.next_op().unwrap() {
+        match op {
+            ReplayOp::Match { blocks, .. } => queries.push(blocks),
+            op => events.push(op.to_event().unwrap()),
+        }
+    }
+    (events, queries)
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Workers publishing from a glommio thread; they keep heartbeating and answering
+/// recovery requests until [`Fleet::stop`].
+struct Fleet {
+    stop: std::sync::mpsc::Sender<()>,
+    handle: std::thread::JoinHandle<HashMap<WorkerId, u64>>,
+}
+
+impl Fleet {
+    fn stop(self) -> HashMap<WorkerId, u64> {
+        let _ = self.stop.send(());
+        self.handle.join().unwrap()
+    }
+}
+
+/// Publishes every event through one publisher per worker, from a glommio thread.
+fn publish_all(
+    url: String,
+    events: Vec<RouterEvent>,
+    announce: bool,
+    drop_every: Option<u64>,
+) -> Fleet {
+    let (stop, stop_rx) = std::sync::mpsc::channel::<()>();
+    let handle = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let mut pubs: HashMap<WorkerId, KvPublisher> = HashMap::new();
+            let mut last = HashMap::new();
+            for e in events {
+                if let std::collections::hash_map::Entry::Vacant(slot) = pubs.entry(e.worker_id) {
+                    let opts = PublisherOptions {
+                        announce,
+                        drop_every,
+                        heartbeat: Duration::from_millis(100),
+                        ..PublisherOptions::new(e.worker_id)
+                    };
+                    slot.insert(KvPublisher::start(client.clone(), opts).await.unwrap());
+                }
+                let id = pubs[&e.worker_id]
+                    .publish(e.event.dp_rank, vec![e.event.data.clone()])
+                    .await
+                    .unwrap();
+                last.insert(e.worker_id, id);
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            // Keep answering recovery requests and heartbeating until told to stop.
+            while stop_rx.try_recv().is_err() {
+                glommio::timer::sleep(Duration::from_millis(20)).await;
+            }
+            last
+        })
+    });
+    Fleet { stop, handle }
+}
+
+fn expected_last_ids(events: &[RouterEvent]) -> HashMap<WorkerId, u64> {
+    let mut m = HashMap::new();
+    let mut next: HashMap<WorkerId, u64> = HashMap::new();
+    for e in events {
+        let n = next.entry(e.worker_id).or_insert(0);
+        m.insert(e.worker_id, *n);
+        *n += 1;
+    }
+    m
+}
+
+fn shift(events: &[RouterEvent]) -> Vec<RouterEvent> {
+    events
+        .iter()
+        .map(|e| RouterEvent {
+            worker_id: e.worker_id + (1 << 60),
+            ..e.clone()
+        })
+        .collect()
+}
+
+fn reference_of(events: &[RouterEvent]) -> ReferenceIndex {
+    let mut r = ReferenceIndex::new();
+    for e in events {
+        r.apply(e.clone()).unwrap();
+    }
+    r
+}
+
+fn assert_same(ingest: &Ingest, reference: &ReferenceIndex, queries: &[Vec<LocalBlockHash>]) {
+    let reader = ingest.reader();
+    for q in queries {
+        assert_eq!(reader.find_matches(q), reference.find_matches(q));
+    }
+    let blocks: usize = ingest.workers().iter().map(|s| s.blocks).sum();
+    assert_eq!(blocks, reference.block_count());
+}
+
+fn wait_applied(ingest: &Ingest, last: &HashMap<WorkerId, u64>) {
+    wait_until("every event applied", Duration::from_secs(20), || {
+        last.iter()
+            .all(|(&w, &id)| ingest.last_event_id(WorkerDp::new(w, 0)) == Some(id))
+    });
+}
+
+#[test]
+fn ingest_equals_the_reference_fed_the_same_events() {
+    let server = NatsServer::start();
+    let ingest = ingest(&server.url(), 2);
+    assert!(ingest.is_ready());
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let fleet = publish_all(server.url(), events.clone(), true, None);
+    wait_applied(&ingest, &expected_last_ids(&events));
+    assert_same(&ingest, &reference_of(&events), &queries);
+    assert_eq!(fleet.stop(), expected_last_ids(&events));
+    let st = ingest.stats();
+    assert_eq!(st.decode_errors, 0, "{st:?}");
+    // Every message was applied live, or covered by the dump loaded when the worker
+    // announced itself (its live copies then count as duplicates).
+    assert!(st.events + st.duplicates >= events.len() as u64, "{st:?}");
+    assert!(st.dumps >= 4, "{st:?}");
+}
+
+#[test]
+fn injected_loss_is_recovered_exactly() {
+    let server = NatsServer::start();
+    let ingest = ingest(&server.url(), 1);
+    let (events, queries) = sample();
+    let events = shift(&events);
+    // The publishers keep answering while we wait for the router to catch up.
+    let fleet = publish_all(server.url(), events.clone(), true, Some(10));
+    wait_applied(&ingest, &expected_last_ids(&events));
+    assert_same(&ingest, &reference_of(&events), &queries);
+    let st = ingest.stats();
+    assert!(st.gaps > 0 && st.recoveries > 0, "{st:?}");
+    fleet.stop();
+}
+
+#[test]
+fn a_worker_restart_resets_and_rebuilds_its_state() {
+    let server = NatsServer::start();
+    let ingest = ingest(&server.url(), 1);
+    let url = server.url();
+    let worker = 77u64;
+    let blocks =
+        |base: u64, n: u64| -> Vec<(LocalBlockHash, kvrouter_core::hash::SequenceBlockHash)> {
+            (0..n)
+                .map(|i| {
+                    (
+                        LocalBlockHash(base + i),
+                        kvrouter_core::hash::SequenceBlockHash(base * 1000 + i),
+                    )
+                })
+                .collect()
+        };
+    let (b1, b2) = (blocks(10, 5), blocks(20, 3));
+    let (c1, c2) = (b1.clone(), b2.clone());
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let p = KvPublisher::start(
+                client.clone(),
+                PublisherOptions {
+                    heartbeat: Duration::from_millis(100),
+                    ..PublisherOptions::new(worker)
+                },
+            )
+            .await
+            .unwrap();
+            p.stored(0, None, c1).await.unwrap();
+            p.stored(0, None, c2.clone()).await.unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            glommio::timer::sleep(Duration::from_millis(500)).await;
+            // The engine restarts: a fresh publisher, ids from 0, an empty cache.
+            let p2 = KvPublisher::start(
+                client.clone(),
+                PublisherOptions {
+                    heartbeat: Duration::from_millis(100),
+                    ..PublisherOptions::new(worker)
+                },
+            )
+            .await
+            .unwrap();
+            drop(p);
+            p2.stored(0, None, c2).await.unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            glommio::timer::sleep(Duration::from_millis(800)).await;
+        })
+    })
+    .join()
+    .unwrap();
+    let q1: Vec<LocalBlockHash> = b1.iter().map(|b| b.0).collect();
+    let q2: Vec<LocalBlockHash> = b2.iter().map(|b| b.0).collect();
+    wait_until("the restart applied", Duration::from_secs(10), || {
+        ingest.reader().find_matches(&q1).is_empty()
+    });
+    assert_eq!(ingest.reader().find_matches(&q2).max_score(), 3);
+    assert!(ingest.stats().restarts >= 1, "{:?}", ingest.stats());
+}
+
+#[test]
+fn a_broker_restart_mid_stream_converges() {
+    let mut server = NatsServer::start();
+    let ingest = ingest(&server.url(), 2);
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let url = server.url();
+    let (half_tx, half_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let all = events.clone();
+    let publisher = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let mut pubs: HashMap<WorkerId, KvPublisher> = HashMap::new();
+            let half = all.len() / 2;
+            for (i, e) in all.into_iter().enumerate() {
+                if i == half {
+                    client.flush(Duration::from_secs(5)).await.unwrap();
+                    half_tx.send(()).unwrap();
+                    while go_rx.try_recv().is_err() {
+                        glommio::timer::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                if let std::collections::hash_map::Entry::Vacant(slot) = pubs.entry(e.worker_id) {
+                    let opts = PublisherOptions {
+                        heartbeat: Duration::from_millis(100),
+                        ..PublisherOptions::new(e.worker_id)
+                    };
+                    slot.insert(KvPublisher::start(client.clone(), opts).await.unwrap());
+                }
+                pubs[&e.worker_id]
+                    .publish(e.event.dp_rank, vec![e.event.data.clone()])
+                    .await
+                    .unwrap();
+            }
+            client
+                .wait_connected(Duration::from_secs(20))
+                .await
+                .unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            while stop_rx.try_recv().is_err() {
+                glommio::timer::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    });
+    half_rx.recv().unwrap();
+    server.kill();
+    // Publishing goes on while the broker is down (buffered by the client).
+    go_tx.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    server.restart();
+    wait_applied(&ingest, &expected_last_ids(&events));
+    assert_same(&ingest, &reference_of(&events), &queries);
+    assert!(ingest.stats().nats_reconnects >= 1);
+    stop_tx.send(()).unwrap();
+    publisher.join().unwrap();
+}
+
+#[test]
+fn malformed_payloads_are_counted_and_skipped() {
+    let server = NatsServer::start();
+    let ingest = ingest(&server.url(), 1);
+    let url = server.url();
+    let subject = kvrouter_core::codec::Subjects::default().kv_events();
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            for junk in [
+                &b"not msgpack"[..],
+                b"\x85",
+                b"",
+                b"\x81\xa5topic\xa9kv-events",
+            ] {
+                client.publish(&subject, junk).await.unwrap();
+            }
+            let p = KvPublisher::start(
+                client.clone(),
+                PublisherOptions {
+                    announce: false,
+                    ..PublisherOptions::new(5)
+                },
+            )
+            .await
+            .unwrap();
+            p.stored(
+                0,
+                None,
+                vec![(LocalBlockHash(1), kvrouter_core::hash::SequenceBlockHash(2))],
+            )
+            .await
+            .unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    wait_until("the valid event", Duration::from_secs(10), || {
+        ingest.last_event_id(WorkerDp::new(5, 0)) == Some(0)
+    });
+    assert_eq!(
+        ingest
+            .reader()
+            .find_matches(&[LocalBlockHash(1)])
+            .max_score(),
+        1
+    );
+    assert_eq!(ingest.stats().decode_errors, 4);
+}
+
+#[test]
+fn stock_dynamo_workers_are_registered_by_their_first_event_and_reaped_when_silent() {
+    let server = NatsServer::start();
+    let ingest = Ingest::start(IngestConfig {
+        nats: nats_opts(&server.url()),
+        silence_timeout: Duration::from_millis(600),
+        ..Default::default()
+    })
+    .unwrap();
+    let url = server.url();
+    let worker = 15_655_423_716_543_156_698u64; // above 2^53, like Dynamo's
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            // No announcement, no local indexer; numbering starts at 1 as in Dynamo 1.6.1,
+            // and one message in three is lost.
+            let opts = PublisherOptions {
+                announce: false,
+                drop_every: Some(3),
+                first_event_id: 1,
+                ..PublisherOptions::new(worker)
+            };
+            let p = KvPublisher::start(client.clone(), opts).await.unwrap();
+            for i in 0..6u64 {
+                let KvCacheEvent { data, .. } = KvCacheEvent::stored(
+                    0,
+                    0,
+                    None,
+                    [(
+                        LocalBlockHash(100 + i),
+                        kvrouter_core::hash::SequenceBlockHash(100 + i),
+                    )],
+                );
+                p.publish(0, vec![data]).await.unwrap();
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    wait_until("the worker's events", Duration::from_secs(10), || {
+        ingest
+            .last_event_id(WorkerDp::new(worker, 0))
+            .is_some_and(|id| id >= 5)
+    });
+    // Messages 3 and 6 (ids 3 and 6) were lost: id 4 came after a gap and was applied.
+    let st = ingest.stats();
+    assert!(st.gaps >= 1 && st.recoveries == 0, "{st:?}");
+    // Event ids 1..=6 carried blocks 100..=105; ids 3 and 6 were lost.
+    assert_eq!(
+        ingest
+            .reader()
+            .find_matches(&[LocalBlockHash(104)])
+            .max_score(),
+        1
+    );
+    assert!(
+        ingest
+            .reader()
+            .find_matches(&[LocalBlockHash(102)])
+            .is_empty()
+    );
+    wait_until("the silent worker removed", Duration::from_secs(10), || {
+        ingest.workers().is_empty()
+    });
+    assert!(ingest.stats().workers_removed >= 1);
+}
+
+#[test]
+fn a_leaving_worker_is_removed_at_once() {
+    let server = NatsServer::start();
+    let ingest = ingest(&server.url(), 1);
+    let url = server.url();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let p = KvPublisher::start(client.clone(), PublisherOptions::new(42))
+                .await
+                .unwrap();
+            p.stored(
+                0,
+                None,
+                vec![(LocalBlockHash(9), kvrouter_core::hash::SequenceBlockHash(9))],
+            )
+            .await
+            .unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            tx.send(()).unwrap();
+            while go_rx.try_recv().is_err() {
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+            p.leave().await.unwrap();
+        })
+    });
+    rx.recv().unwrap();
+    wait_until("the worker's block", Duration::from_secs(10), || {
+        ingest
+            .reader()
+            .find_matches(&[LocalBlockHash(9)])
+            .max_score()
+            == 1
+    });
+    go_tx.send(()).unwrap();
+    h.join().unwrap();
+    wait_until("the worker removed", Duration::from_secs(10), || {
+        ingest
+            .reader()
+            .find_matches(&[LocalBlockHash(9)])
+            .is_empty()
+    });
+}
