@@ -476,3 +476,45 @@ fn a_leaving_worker_is_removed_at_once() {
             .is_empty()
     });
 }
+
+#[test]
+fn a_one_million_token_prompt_fits_in_one_message() {
+    // 1 M tokens at block size 64: one stored event of 15,625 blocks under the default
+    // 1 MiB max_payload.
+    let server = NatsServer::start();
+    let ingest = ingest(&server.url(), 1);
+    let url = server.url();
+    let tokens: Vec<u32> = (0..1_000_000u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    let locals = kvrouter_core::hash::local_block_hashes(&tokens, 64, &Default::default());
+    let seqs = kvrouter_core::hash::sequence_hashes(&locals);
+    assert_eq!(locals.len(), 15_625);
+    let blocks: Vec<_> = locals.iter().copied().zip(seqs).collect();
+    let sent = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            assert_eq!(client.max_payload(), 1 << 20);
+            let p = KvPublisher::start(
+                client.clone(),
+                PublisherOptions {
+                    announce: false,
+                    ..PublisherOptions::new(3)
+                },
+            )
+            .await
+            .unwrap();
+            p.stored(0, None, blocks).await.unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            p.counts()
+        })
+    })
+    .join()
+    .unwrap();
+    assert_eq!(sent, (1, 0), "one message");
+    wait_until("the long prompt", Duration::from_secs(10), || {
+        ingest.last_event_id(WorkerDp::new(3, 0)) == Some(0)
+    });
+    assert_eq!(ingest.reader().find_matches(&locals).max_score(), 15_625);
+    assert_eq!(ingest.stats().event_blocks, 15_625);
+}

@@ -4,6 +4,7 @@
 //!
 //! * [`perf`]: timed replays of replay logs through an index (`kvrouter replay --perf`).
 //! * [`concurrent`]: writers applying a log's events at full speed while readers look up.
+//! * [`ingest`]: end-to-end ingest over a real NATS server, next to the broker's raw rate.
 //! * `dynamo` (feature `dynamo`): the same replays through `dynamo-kv-router` 1.6.1's
 //!   `RadixTree` and `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
 //!
@@ -12,4 +13,5 @@
 pub mod concurrent;
 #[cfg(feature = "dynamo")]
 pub mod dynamo;
+pub mod ingest;
 pub mod perf;

@@ -10,9 +10,11 @@
 //!   Dynamo 1.6.1 workers count from 1, ours from 0) and sets the baseline;
 //! * `last + 1` is applied; `last` itself is a duplicate (ignored);
 //! * an id lower than `last` from a *different publisher* (the envelope's `publisher_id`,
-//!   random per worker process) means the worker restarted: its state is reset, and the
-//!   event is applied as a new baseline. From the *same* publisher it is a late duplicate
-//!   (a message overtaken by a recovery answer), ignored;
+//!   random per worker process) that starts a fresh numbering (0 or 1, or more than
+//!   [`RESTART_WINDOW`] below `last`) means the worker restarted: its state is reset, and
+//!   the event is applied as a new baseline. Any other lower id is a late duplicate (a
+//!   message overtaken by a recovery answer, or one from a sibling publisher that arrived
+//!   out of order), ignored;
 //! * an id above `last + 1` leaves a gap `last + 1 ..= id - 1`: a worker with a local
 //!   indexer is asked for the missing range (or its full dump when the range is no longer
 //!   buffered); for other workers the gap is logged and counted and the event applied.
@@ -51,6 +53,10 @@ pub enum Verdict {
     Restart,
 }
 
+/// How far below the last id an event from another publisher must be to count as a
+/// restart (rather than a message of a sibling publisher that arrived out of order).
+pub const RESTART_WINDOW: u64 = 1024;
+
 /// Last applied event id per (worker, dp rank), with the publisher that sent it.
 #[derive(Debug, Default, Clone)]
 pub struct EventIds {
@@ -70,10 +76,14 @@ impl EventIds {
             Some(&(last, _)) if id == last.wrapping_add(1) => Verdict::Apply,
             Some(&(last, _)) if id == last => Verdict::Duplicate,
             Some(&(last, from)) if id < last => {
-                if from == publisher {
-                    Verdict::Duplicate
-                } else {
+                // A new process numbers from 0 or 1; a much lower id from another
+                // publisher is a restart too. A slightly lower one from another publisher of
+                // the same worker is a message that arrived out of order.
+                let fresh = id <= 1 || last - id > RESTART_WINDOW;
+                if from != publisher && fresh {
                     Verdict::Restart
+                } else {
+                    Verdict::Duplicate
                 }
             }
             Some(&(last, _)) => Verdict::Gap {
@@ -232,6 +242,11 @@ mod tests {
         assert_eq!(ids.verdict(W, 5, 7), Verdict::Duplicate);
         assert_eq!(ids.verdict(W, 9, 7), Verdict::Gap { first: 6, last: 8 });
         assert_eq!(ids.verdict(W, 0, 8), Verdict::Restart);
+        assert_eq!(
+            ids.verdict(W, 4, 8),
+            Verdict::Duplicate,
+            "out of order from a sibling publisher"
+        );
         assert_eq!(
             ids.verdict(W, 0, 7),
             Verdict::Duplicate,

@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kvrouter_core::codec::{Envelope, Subjects, TOPIC_KV_EVENTS, kv};
 use kvrouter_core::event::{KvCacheEvent, KvEventData, RouterEvent, StoredData};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
-use kvrouter_core::index::{Index, ReferenceIndex};
+use kvrouter_core::index::{Index, TreeIndex};
 use kvrouter_core::recovery::{Announcement, RecoveryReply, RecoveryRequest, chunk_dump};
 use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
@@ -78,7 +78,7 @@ impl PublisherOptions {
 
 #[derive(Debug)]
 struct LocalState {
-    index: ReferenceIndex,
+    index: TreeIndex,
     ring: HashMap<DpRank, VecDeque<RouterEvent>>,
     next_id: HashMap<DpRank, u64>,
     sequence: u64,
@@ -121,7 +121,7 @@ impl KvPublisher {
             opts: Rc::new(opts),
             publisher_id,
             state: Rc::new(RefCell::new(LocalState {
-                index: ReferenceIndex::new(),
+                index: TreeIndex::new(1),
                 ring: HashMap::new(),
                 next_id: HashMap::new(),
                 sequence: 0,

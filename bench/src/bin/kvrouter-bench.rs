@@ -63,6 +63,25 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// End-to-end ingest over NATS (workers publish the log's events; the router applies
+    /// them), next to the broker's raw PUB/SUB rate for the same messages.
+    Ingest {
+        /// Replay log.
+        log: PathBuf,
+        /// NATS server.
+        #[arg(long, default_value = "nats://127.0.0.1:4222")]
+        nats: String,
+        /// Shard cores of the ingest.
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+        /// Runs (medians are printed).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Pace the workers to this many block events per second (latency at a sustained
+        /// load); as fast as possible when omitted.
+        #[arg(long)]
+        rate: Option<f64>,
+    },
     /// Every index, each in its own process, `--runs` times; medians and ratios.
     Compare {
         /// Replay log.
@@ -108,7 +127,44 @@ fn main() -> anyhow::Result<()> {
             writers,
             readers,
         } => compare(&log, runs, writers, readers),
+        Cmd::Ingest {
+            log,
+            nats,
+            shards,
+            runs,
+            rate,
+        } => ingest(&log, &nats, shards, runs, rate),
     }
+}
+
+fn ingest(
+    log: &Path,
+    nats: &str,
+    shards: usize,
+    runs: usize,
+    rate: Option<f64>,
+) -> anyhow::Result<()> {
+    let loaded = LoadedLog::load(log)?;
+    let mut reports = Vec::new();
+    for run in 0..runs {
+        let tag = format!("{}x{run}", std::process::id());
+        let r = kvrouter_bench::ingest::run(&loaded, nats, shards, &tag, rate)?;
+        eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
+        reports.push(r);
+    }
+    let med = |f: fn(&kvrouter_bench::ingest::IngestReport) -> f64| {
+        median(reports.iter().map(f).collect())
+    };
+    println!(
+        "ingest ({shards} shard(s), median of {runs}): {:.2} M block events/s, arrival-to-visible p50 {:.0} us, \
+         p99 {:.0} us; raw PUB/SUB of the same messages: {:.2} M block events/s (ingest/raw x{:.2})",
+        med(|r| r.ingest_block_events_per_s) / 1e6,
+        med(|r| r.visible_p50_ns as f64) / 1e3,
+        med(|r| r.visible_p99_ns as f64) / 1e3,
+        med(|r| r.raw_block_events_per_s) / 1e6,
+        med(|r| r.ingest_block_events_per_s / r.raw_block_events_per_s),
+    );
+    Ok(())
 }
 
 fn emit<T: serde::Serialize>(r: &T, json: bool, human: fn(&T)) -> anyhow::Result<()> {
