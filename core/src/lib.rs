@@ -9,6 +9,9 @@
 //!   replica sync, metrics) and its JSON form of KV events.
 //! * [`index`]: the `Index` trait, the semantics every index obeys, and the reference
 //!   index that is the oracle for the fast ones.
+//! * [`policy`]: the cost of sending a request to each worker, and the choice (Dynamo's
+//!   formula, temperature sampling, a herd-resistant option).
+//! * [`slots`]: the slot manager, the router's prediction of each worker's load.
 //! * [`recovery`]: event-id bookkeeping (gaps, duplicates, restarts), the recovery protocol
 //!   between the router and workers' local indexers, and worker announcements.
 //! * [`replay`]: replay logs of index operations with expected answers (the conformance
@@ -23,8 +26,10 @@ pub mod codec;
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod policy;
 pub mod recovery;
 pub mod replay;
+pub mod slots;
 mod sync;
 pub mod worker;
 

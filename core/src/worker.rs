@@ -13,7 +13,9 @@ pub type DpRank = u32;
 ///
 /// Every index keeps state per `WorkerDp`; `Cleared` events and event ids are per `WorkerDp`.
 /// Wire-compatible with Dynamo's `WorkerWithDpRank` (`{"worker_id", "dp_rank"}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub struct WorkerDp {
     /// The worker.
     pub worker_id: WorkerId,

@@ -1,0 +1,389 @@
+//! Worker selection: the cost of sending a request to each worker, and the choice.
+//!
+//! For each candidate (worker, dp rank), as NVIDIA Dynamo 1.6.1 computes it:
+//!
+//! ```text
+//! raw_prefill_blocks      = (active_prefill_tokens + request_tokens) / block_size
+//! overlap_credit_blocks   = overlap_score_credit   * device_overlap_blocks
+//!                         + host_cache_hit_weight   * host_overlap_blocks
+//!                         + disk_cache_hit_weight   * disk_overlap_blocks
+//!                         + shared_cache_multiplier * shared_beyond_blocks
+//! adjusted_prefill_blocks = max(raw_prefill_blocks - overlap_credit_blocks, 0)
+//! cost                    = prefill_load_scale * adjusted_prefill_blocks + decode_blocks
+//! ```
+//!
+//! where `decode_blocks` is the worker's potential active blocks (its active blocks plus
+//! the request's blocks it does not hold yet, from the slot manager). Candidates over the
+//! busy thresholds are filtered out (unless all are). The lowest cost wins, ties broken at
+//! random; with `temperature > 0` the worker is sampled by softmax over the costs
+//! normalised to `[0, 1]` (min-max), `p ∝ exp(-normalised / temperature)`.
+//!
+//! **Herding.** When a burst of requests shares a prefix, the plain formula sends all of
+//! them to the worker holding it until its load catches up (Dynamo issues #589, #737,
+//! #7836). [`Herd::PowerOfTwo`] picks two candidates at random among the `k` cheapest and
+//! keeps the cheaper: the cache-hot worker still wins most of the time, but a burst spreads
+//! over the few nearly-as-good workers.
+//!
+//! Pure: the caller passes the loads, the overlaps and a seeded [`Rng`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::worker::WorkerDp;
+
+/// Herd-resistance option.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Herd {
+    /// The plain formula.
+    #[default]
+    Off,
+    /// Power of two choices among the `k` cheapest candidates.
+    PowerOfTwo {
+        /// How many of the cheapest candidates to choose from.
+        k: usize,
+    },
+}
+
+/// Weights of the cost function (defaults as Dynamo 1.6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CostConfig {
+    /// Credit per device-tier overlap block, in [0, 1].
+    pub overlap_score_credit: f64,
+    /// Weight of prefill load against decode load.
+    pub prefill_load_scale: f64,
+    /// Credit per host-tier overlap block.
+    pub host_cache_hit_weight: f64,
+    /// Credit per disk-tier overlap block.
+    pub disk_cache_hit_weight: f64,
+    /// Credit per shared-cache block beyond the device overlap.
+    pub shared_cache_multiplier: f64,
+    /// 0: deterministic lowest cost; above 0: softmax sampling.
+    pub temperature: f64,
+    /// Filter out workers with more active decode blocks than this.
+    pub max_active_decode_blocks: Option<u64>,
+    /// Filter out workers with more active prefill tokens than this.
+    pub max_active_prefill_tokens: Option<u64>,
+    /// Herd-resistance option.
+    pub herd: Herd,
+}
+
+impl Default for CostConfig {
+    fn default() -> Self {
+        Self {
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            shared_cache_multiplier: 1.0,
+            temperature: 0.0,
+            max_active_decode_blocks: None,
+            max_active_prefill_tokens: None,
+            herd: Herd::Off,
+        }
+    }
+}
+
+/// What the router knows about one candidate for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Candidate {
+    /// The worker.
+    pub worker: WorkerDp,
+    /// Prompt tokens of its requests still in prefill.
+    pub active_prefill_tokens: u64,
+    /// Its active blocks now.
+    pub active_decode_blocks: u64,
+    /// Its active blocks if the request were added (shared blocks counted once).
+    pub potential_decode_blocks: u64,
+    /// Leading request blocks cached on the device.
+    pub device_overlap_blocks: u32,
+    /// Further blocks cached in host memory.
+    pub host_overlap_blocks: u32,
+    /// Further blocks cached on disk.
+    pub disk_overlap_blocks: u32,
+    /// Blocks in a shared cache beyond the device overlap.
+    pub shared_beyond_blocks: u32,
+}
+
+/// A candidate's cost, with its terms (for `explain`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Scored {
+    /// The candidate.
+    #[serde(flatten)]
+    pub candidate: Candidate,
+    /// `(active_prefill_tokens + request_tokens) / block_size`.
+    pub raw_prefill_blocks: f64,
+    /// The overlap credits.
+    pub overlap_credit_blocks: f64,
+    /// `max(raw - credits, 0)`.
+    pub adjusted_prefill_blocks: f64,
+    /// The potential decode blocks.
+    pub decode_blocks: f64,
+    /// The cost.
+    pub cost: f64,
+    /// Whether it passed the busy thresholds.
+    pub eligible: bool,
+}
+
+/// SplitMix64: a small seeded generator, so that decisions are reproducible in tests and
+/// the harness.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator with this seed.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next_u64() as u128 * n as u128) >> 64) as usize
+    }
+}
+
+/// Scores every candidate for a request of `request_tokens` tokens.
+pub fn score(
+    cfg: &CostConfig,
+    request_tokens: u64,
+    block_size: u32,
+    candidates: &[Candidate],
+) -> Vec<Scored> {
+    let bs = block_size.max(1) as f64;
+    candidates
+        .iter()
+        .map(|c| {
+            let raw = (c.active_prefill_tokens + request_tokens) as f64 / bs;
+            let credit = cfg.overlap_score_credit * c.device_overlap_blocks as f64
+                + cfg.host_cache_hit_weight * c.host_overlap_blocks as f64
+                + cfg.disk_cache_hit_weight * c.disk_overlap_blocks as f64
+                + cfg.shared_cache_multiplier * c.shared_beyond_blocks as f64;
+            let adjusted = (raw - credit).max(0.0);
+            let decode = c.potential_decode_blocks as f64;
+            let eligible = cfg
+                .max_active_decode_blocks
+                .is_none_or(|m| c.active_decode_blocks <= m)
+                && cfg
+                    .max_active_prefill_tokens
+                    .is_none_or(|m| c.active_prefill_tokens <= m);
+            Scored {
+                candidate: *c,
+                raw_prefill_blocks: raw,
+                overlap_credit_blocks: credit,
+                adjusted_prefill_blocks: adjusted,
+                decode_blocks: decode,
+                cost: cfg.prefill_load_scale * adjusted + decode,
+                eligible,
+            }
+        })
+        .collect()
+}
+
+/// Chooses among scored candidates; `None` when there are none. When every candidate is
+/// over a busy threshold, all of them are considered (the request must go somewhere).
+pub fn choose(cfg: &CostConfig, scored: &[Scored], rng: &mut Rng) -> Option<usize> {
+    let mut pool: Vec<usize> = (0..scored.len()).filter(|&i| scored[i].eligible).collect();
+    if pool.is_empty() {
+        pool = (0..scored.len()).collect();
+    }
+    if pool.is_empty() {
+        return None;
+    }
+    if cfg.temperature > 0.0 {
+        return Some(softmax_pick(scored, &pool, cfg.temperature, rng));
+    }
+    match cfg.herd {
+        Herd::Off => Some(lowest(scored, &pool, rng)),
+        Herd::PowerOfTwo { k } => {
+            pool.sort_by(|&a, &b| scored[a].cost.total_cmp(&scored[b].cost));
+            let k = k.clamp(1, pool.len());
+            let a = pool[rng.below(k)];
+            let b = pool[rng.below(k)];
+            Some(if scored[b].cost < scored[a].cost {
+                b
+            } else {
+                a
+            })
+        }
+    }
+}
+
+fn lowest(scored: &[Scored], pool: &[usize], rng: &mut Rng) -> usize {
+    let min = pool
+        .iter()
+        .map(|&i| scored[i].cost)
+        .fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = pool
+        .iter()
+        .copied()
+        .filter(|&i| scored[i].cost <= min)
+        .collect();
+    ties[rng.below(ties.len())]
+}
+
+fn softmax_pick(scored: &[Scored], pool: &[usize], temperature: f64, rng: &mut Rng) -> usize {
+    let min = pool
+        .iter()
+        .map(|&i| scored[i].cost)
+        .fold(f64::INFINITY, f64::min);
+    let max = pool
+        .iter()
+        .map(|&i| scored[i].cost)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let span = max - min;
+    let weights: Vec<f64> = pool
+        .iter()
+        .map(|&i| {
+            let norm = if span > 0.0 {
+                (scored[i].cost - min) / span
+            } else {
+                0.0
+            };
+            (-norm / temperature).exp()
+        })
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut x = rng.next_f64() * total;
+    for (w, &i) in weights.iter().zip(pool) {
+        if x < *w {
+            return i;
+        }
+        x -= w;
+    }
+    *pool.last().expect("non-empty pool")
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn cand(id: u64, overlap: u32, decode: u64) -> Candidate {
+        Candidate {
+            worker: WorkerDp::new(id, 0),
+            potential_decode_blocks: decode,
+            device_overlap_blocks: overlap,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_seeds_worked_example() {
+        // Credit 1.0, 10 raw prefill blocks each (160 tokens at block size 16).
+        let cands = [cand(1, 2, 10), cand(2, 5, 5), cand(3, 8, 9)];
+        let scored = score(&CostConfig::default(), 160, 16, &cands);
+        let costs: Vec<f64> = scored.iter().map(|s| s.cost).collect();
+        assert_eq!(costs, vec![18.0, 10.0, 11.0]);
+        let pick = choose(&CostConfig::default(), &scored, &mut Rng::new(1)).unwrap();
+        assert_eq!(scored[pick].candidate.worker.worker_id, 2);
+    }
+
+    #[test]
+    fn credits_tiers_and_clamping() {
+        let c = Candidate {
+            worker: WorkerDp::new(1, 0),
+            active_prefill_tokens: 64,
+            potential_decode_blocks: 3,
+            device_overlap_blocks: 2,
+            host_overlap_blocks: 4,
+            disk_overlap_blocks: 4,
+            shared_beyond_blocks: 1,
+            ..Default::default()
+        };
+        let s = score(&CostConfig::default(), 256, 64, &[c])[0];
+        assert_eq!(s.raw_prefill_blocks, 5.0);
+        assert_eq!(s.overlap_credit_blocks, 2.0 + 3.0 + 1.0 + 1.0);
+        assert_eq!(s.adjusted_prefill_blocks, 0.0);
+        assert_eq!(s.cost, 3.0);
+    }
+
+    #[test]
+    fn ties_are_broken_at_random_and_thresholds_filter() {
+        let cands = [cand(1, 0, 5), cand(2, 0, 5)];
+        let scored = score(&CostConfig::default(), 64, 64, &cands);
+        let mut rng = Rng::new(7);
+        let mut seen = [0; 2];
+        for _ in 0..1000 {
+            seen[choose(&CostConfig::default(), &scored, &mut rng).unwrap()] += 1;
+        }
+        assert!(seen[0] > 400 && seen[1] > 400, "{seen:?}");
+        let mut busy = cands;
+        busy[0].active_decode_blocks = 100;
+        let cfg = CostConfig {
+            max_active_decode_blocks: Some(50),
+            ..Default::default()
+        };
+        let scored = score(&cfg, 64, 64, &busy);
+        assert!(!scored[0].eligible);
+        for _ in 0..100 {
+            assert_eq!(choose(&cfg, &scored, &mut rng), Some(1));
+        }
+        assert_eq!(choose(&cfg, &[], &mut rng), None);
+    }
+
+    #[test]
+    fn temperature_samples_by_softmax_of_normalised_costs() {
+        // Costs 0, 5, 10 normalise to 0, 0.5, 1; at T = 0.5 the weights are 1, e^-1, e^-2.
+        let cands = [cand(1, 0, 0), cand(2, 0, 5), cand(3, 0, 10)];
+        let cfg = CostConfig {
+            temperature: 0.5,
+            ..Default::default()
+        };
+        let scored = score(&cfg, 0, 16, &cands);
+        let mut rng = Rng::new(42);
+        let n = 200_000;
+        let mut seen = [0f64; 3];
+        for _ in 0..n {
+            seen[choose(&cfg, &scored, &mut rng).unwrap()] += 1.0;
+        }
+        let w = [1.0, (-1.0f64).exp(), (-2.0f64).exp()];
+        let total: f64 = w.iter().sum();
+        for i in 0..3 {
+            let expected = w[i] / total;
+            let got = seen[i] / n as f64;
+            assert!(
+                (got - expected).abs() < 0.01,
+                "worker {i}: {got} vs {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn power_of_two_spreads_a_burst_over_the_k_cheapest() {
+        let cands = [
+            cand(1, 0, 10),
+            cand(2, 0, 11),
+            cand(3, 0, 12),
+            cand(4, 0, 100),
+        ];
+        let cfg = CostConfig {
+            herd: Herd::PowerOfTwo { k: 3 },
+            ..Default::default()
+        };
+        let scored = score(&cfg, 0, 16, &cands);
+        let mut rng = Rng::new(3);
+        let mut seen = [0; 4];
+        for _ in 0..9000 {
+            seen[choose(&cfg, &scored, &mut rng).unwrap()] += 1;
+        }
+        // Cheapest of two uniform picks among 3: 5/9, 3/9, 1/9; never the expensive one.
+        assert_eq!(seen[3], 0);
+        assert!(
+            seen[0] > seen[1] && seen[1] > seen[2] && seen[2] > 500,
+            "{seen:?}"
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! The slot manager: the router's own prediction of each worker's load.
+//!
+//! Per worker it keeps the active requests and their blocks (a block shared by several
+//! active requests — a common prompt prefix — counts once), and the prefill tokens of
+//! requests that have not produced their first token yet. A request is added when routed,
+//! its prefill charge is released at its first token, and everything is released when it
+//! finishes; requests that never report back expire after `stale_after_ms`.
+//!
+//! Replica routers feed each other's decisions into the same structure (replica sync), so
+//! every replica predicts the whole fleet's load. Clock-free: times are arguments.
+
+use std::collections::HashMap;
+
+use crate::worker::{WorkerDp, WorkerId};
+
+/// Why a slot operation was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SlotError {
+    /// No active request has this id.
+    #[error("unknown request {0:?}")]
+    UnknownRequest(String),
+    /// A request with this id is already active.
+    #[error("request {0:?} is already active")]
+    DuplicateRequest(String),
+}
+
+/// Load of one worker as the slot manager sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerLoad {
+    /// Distinct blocks of its active requests.
+    pub active_blocks: u64,
+    /// Prompt tokens of its requests still in prefill.
+    pub active_prefill_tokens: u64,
+    /// Active requests.
+    pub active_requests: u64,
+}
+
+#[derive(Debug, Default)]
+struct WorkerSlots {
+    blocks: HashMap<u64, u32>,
+    prefill_tokens: u64,
+    requests: u64,
+}
+
+#[derive(Debug)]
+struct Active {
+    worker: WorkerDp,
+    blocks: Vec<u64>,
+    prefill_tokens: u64,
+    last_ms: u64,
+}
+
+/// See the [module docs](self).
+#[derive(Debug)]
+pub struct Slots {
+    stale_after_ms: u64,
+    workers: HashMap<WorkerDp, WorkerSlots>,
+    requests: HashMap<String, Active>,
+}
+
+impl Slots {
+    /// An empty manager; requests expire `stale_after_ms` after their last update.
+    pub fn new(stale_after_ms: u64) -> Self {
+        Self {
+            stale_after_ms,
+            workers: HashMap::new(),
+            requests: HashMap::new(),
+        }
+    }
+
+    /// Adds a routed request: its blocks (sequence hashes of its prompt) and the prefill
+    /// tokens to charge until its first token.
+    pub fn add(
+        &mut self,
+        request_id: &str,
+        worker: WorkerDp,
+        blocks: Vec<u64>,
+        prefill_tokens: u64,
+        now_ms: u64,
+    ) -> Result<(), SlotError> {
+        if self.requests.contains_key(request_id) {
+            return Err(SlotError::DuplicateRequest(request_id.into()));
+        }
+        let w = self.workers.entry(worker).or_default();
+        for &b in &blocks {
+            *w.blocks.entry(b).or_insert(0) += 1;
+        }
+        w.prefill_tokens += prefill_tokens;
+        w.requests += 1;
+        self.requests.insert(
+            request_id.into(),
+            Active {
+                worker,
+                blocks,
+                prefill_tokens,
+                last_ms: now_ms,
+            },
+        );
+        Ok(())
+    }
+
+    /// The request produced its first token: its prefill charge is released.
+    pub fn mark_prefill_done(
+        &mut self,
+        request_id: &str,
+        now_ms: u64,
+    ) -> Result<WorkerDp, SlotError> {
+        let r = self
+            .requests
+            .get_mut(request_id)
+            .ok_or_else(|| SlotError::UnknownRequest(request_id.into()))?;
+        let w = self
+            .workers
+            .get_mut(&r.worker)
+            .expect("a request's worker has slots");
+        w.prefill_tokens -= r.prefill_tokens;
+        r.prefill_tokens = 0;
+        r.last_ms = now_ms;
+        Ok(r.worker)
+    }
+
+    /// The request finished (or was cancelled): everything it held is released.
+    pub fn free(&mut self, request_id: &str) -> Result<WorkerDp, SlotError> {
+        let r = self
+            .requests
+            .remove(request_id)
+            .ok_or_else(|| SlotError::UnknownRequest(request_id.into()))?;
+        self.release(&r);
+        Ok(r.worker)
+    }
+
+    fn release(&mut self, r: &Active) {
+        let Some(w) = self.workers.get_mut(&r.worker) else {
+            return;
+        };
+        for b in &r.blocks {
+            if let Some(n) = w.blocks.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    w.blocks.remove(b);
+                }
+            }
+        }
+        w.prefill_tokens -= r.prefill_tokens;
+        w.requests -= 1;
+        if w.requests == 0 {
+            self.workers.remove(&r.worker);
+        }
+    }
+
+    /// Releases requests not updated for `stale_after_ms`; returns how many.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        let stale: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| now_ms.saturating_sub(r.last_ms) > self.stale_after_ms)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &stale {
+            if let Some(r) = self.requests.remove(id) {
+                self.release(&r);
+            }
+        }
+        stale.len()
+    }
+
+    /// Drops every request of a worker (it left the fleet).
+    pub fn remove_worker(&mut self, worker_id: WorkerId) {
+        self.requests.retain(|_, r| r.worker.worker_id != worker_id);
+        self.workers.retain(|w, _| w.worker_id != worker_id);
+    }
+
+    /// A worker's load.
+    pub fn load(&self, worker: WorkerDp) -> WorkerLoad {
+        self.workers
+            .get(&worker)
+            .map_or_else(WorkerLoad::default, |w| WorkerLoad {
+                active_blocks: w.blocks.len() as u64,
+                active_prefill_tokens: w.prefill_tokens,
+                active_requests: w.requests,
+            })
+    }
+
+    /// The worker's active blocks if a request with `blocks` were added to it.
+    pub fn potential_blocks(&self, worker: WorkerDp, blocks: &[u64]) -> u64 {
+        let active = self.workers.get(&worker);
+        let held = |b: &u64| active.is_some_and(|w| w.blocks.contains_key(b));
+        let mut new: Vec<u64> = blocks.iter().copied().filter(|b| !held(b)).collect();
+        new.sort_unstable();
+        new.dedup();
+        active.map_or(0, |w| w.blocks.len() as u64) + new.len() as u64
+    }
+
+    /// Workers with active requests.
+    pub fn workers(&self) -> impl Iterator<Item = (WorkerDp, WorkerLoad)> + '_ {
+        self.workers.keys().map(|&w| (w, self.load(w)))
+    }
+
+    /// Active requests.
+    pub fn active_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The worker serving `request_id`.
+    pub fn worker_of(&self, request_id: &str) -> Option<WorkerDp> {
+        self.requests.get(request_id).map(|r| r.worker)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    const A: WorkerDp = WorkerDp::new(1, 0);
+
+    #[test]
+    fn shared_blocks_count_once_and_loads_move() {
+        let mut s = Slots::new(1000);
+        s.add("r1", A, vec![1, 2, 3], 300, 0).unwrap();
+        s.add("r2", A, vec![1, 2, 4], 100, 0).unwrap();
+        assert_eq!(
+            s.load(A),
+            WorkerLoad {
+                active_blocks: 4,
+                active_prefill_tokens: 400,
+                active_requests: 2
+            }
+        );
+        assert_eq!(s.potential_blocks(A, &[1, 5, 5, 6]), 6);
+        s.mark_prefill_done("r1", 10).unwrap();
+        assert_eq!(s.load(A).active_prefill_tokens, 100);
+        s.free("r1").unwrap();
+        assert_eq!(
+            s.load(A),
+            WorkerLoad {
+                active_blocks: 3,
+                active_prefill_tokens: 100,
+                active_requests: 1
+            }
+        );
+        assert_eq!(s.free("r1"), Err(SlotError::UnknownRequest("r1".into())));
+        assert_eq!(
+            s.add("r2", A, vec![], 0, 0),
+            Err(SlotError::DuplicateRequest("r2".into()))
+        );
+        s.free("r2").unwrap();
+        assert_eq!(s.load(A), WorkerLoad::default());
+        assert_eq!(s.workers().count(), 0);
+    }
+
+    #[test]
+    fn stale_requests_expire() {
+        let mut s = Slots::new(100);
+        s.add("old", A, vec![1], 10, 0).unwrap();
+        s.add("new", A, vec![2], 10, 90).unwrap();
+        assert_eq!(s.expire(150), 1);
+        assert_eq!(s.load(A).active_blocks, 1);
+        assert_eq!(s.worker_of("new"), Some(A));
+        s.remove_worker(1);
+        assert_eq!(s.active_requests(), 0);
+    }
+}
