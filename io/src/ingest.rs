@@ -286,6 +286,66 @@ fn builder(cfg: &IngestConfig, i: usize, name: &str) -> LocalExecutorBuilder {
     }
 }
 
+/// A cheap, `Send + Sync` view of a running ingest: lookups, readiness, counters and
+/// worker summaries (what the routing API needs).
+#[derive(Clone)]
+pub struct IngestView {
+    reader: TreeReader,
+    counters: Arc<IngestCounters>,
+    ready: Arc<AtomicBool>,
+    summaries: Vec<Summaries>,
+}
+
+impl std::fmt::Debug for IngestView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IngestView")
+            .field("ready", &self.is_ready())
+            .finish()
+    }
+}
+
+impl IngestView {
+    /// Lock-free lookups into the index.
+    pub fn reader(&self) -> &TreeReader {
+        &self.reader
+    }
+
+    /// Whether the NATS subscriptions are active.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> IngestStats {
+        self.counters.snapshot()
+    }
+
+    /// Known (worker, dp rank)s with block counts and last applied event ids.
+    pub fn workers(&self) -> Vec<WorkerSummary> {
+        let mut v: Vec<WorkerSummary> = self
+            .summaries
+            .iter()
+            .flat_map(|s| {
+                s.lock()
+                    .map(|m| m.values().copied().collect::<Vec<_>>())
+                    .unwrap_or_default()
+            })
+            .collect();
+        v.sort_by_key(|s| s.worker);
+        v
+    }
+
+    /// The last applied event id of one (worker, dp rank).
+    pub fn last_event_id(&self, worker: WorkerDp) -> Option<u64> {
+        let shard = shard_for(worker.worker_id, self.summaries.len());
+        self.summaries[shard]
+            .lock()
+            .ok()?
+            .get(&worker)
+            .and_then(|s| s.last_event_id)
+    }
+}
+
 impl Ingest {
     /// Starts the executors, connects and subscribes; returns once the subscriptions are
     /// active (or the first connection failed).
@@ -355,6 +415,16 @@ impl Ingest {
     /// Lock-free lookups into the index this ingest feeds.
     pub fn reader(&self) -> TreeReader {
         self.reader.clone()
+    }
+
+    /// A `Send + Sync` view for other executors (the routing API).
+    pub fn view(&self) -> IngestView {
+        IngestView {
+            reader: self.reader.clone(),
+            counters: Arc::clone(&self.counters),
+            ready: Arc::clone(&self.ready),
+            summaries: self.summaries.clone(),
+        }
     }
 
     /// Whether the NATS subscriptions are active (false while reconnecting).

@@ -8,10 +8,14 @@
 //! * [`ingest`]: KV-event ingest (thread per core): NATS → decode → the shard core that owns
 //!   the worker → the lock-free index; gap recovery, restarts, discovery, liveness.
 //! * [`worker`]: the worker-side library: `KvPublisher` and its local indexer.
+//! * [`http`]: a small HTTP/1.1 server on glommio's io_uring sockets.
+//! * [`router`]: the routing API (cost function, slot manager, replica sync).
 //!
 //! **Architecture Invariant:** `io` depends on `core`, never the other way round.
 
+pub mod http;
 pub mod ingest;
 pub mod log;
 pub mod nats;
+pub mod router;
 pub mod worker;

@@ -4,6 +4,7 @@
 //! input or any other error.
 
 mod replay;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,8 @@ struct Cli {
 enum Command {
     /// Stream a replay log of index operations through an index and check every answer.
     Replay(replay::ReplayArgs),
+    /// Run the router: ingest KV events from NATS and serve routing decisions over HTTP.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +37,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay::run(args),
+        Command::Serve(args) => serve::run(*args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,343 @@
+//! `kvrouter serve`: the router service. Settings come from defaults, then a TOML file
+//! (`--config`, unknown keys rejected), then `KVROUTER_*` environment variables, then flags;
+//! the effective configuration is logged at start.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvrouter_core::codec::Subjects;
+use kvrouter_core::policy::{CostConfig, Herd};
+use kvrouter_core::worker::WorkerDp;
+use kvrouter_io::http::HttpConfig;
+use kvrouter_io::ingest::{Ingest, IngestConfig};
+use kvrouter_io::nats::Options;
+use kvrouter_io::router::{self, RouterConfig};
+use serde::{Deserialize, Serialize};
+
+/// Flags of `kvrouter serve`; each has an environment fallback and a key in the TOML file.
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// TOML configuration file (keys as the long flags, with `_` for `-`).
+    #[arg(long, env = "KVROUTER_CONFIG")]
+    config: Option<PathBuf>,
+    /// NATS server URL.
+    #[arg(long, env = "KVROUTER_NATS")]
+    nats: Option<String>,
+    /// NATS token.
+    #[arg(long, env = "KVROUTER_NATS_TOKEN")]
+    nats_token: Option<String>,
+    /// NATS user.
+    #[arg(long, env = "KVROUTER_NATS_USER")]
+    nats_user: Option<String>,
+    /// NATS password.
+    #[arg(long, env = "KVROUTER_NATS_PASSWORD")]
+    nats_password: Option<String>,
+    /// Address of the HTTP API.
+    #[arg(long, env = "KVROUTER_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Dynamo namespace of the subjects.
+    #[arg(long, env = "KVROUTER_NAMESPACE")]
+    namespace: Option<String>,
+    /// Dynamo component of the subjects.
+    #[arg(long, env = "KVROUTER_COMPONENT")]
+    component: Option<String>,
+    /// Dynamo endpoint of the subjects.
+    #[arg(long, env = "KVROUTER_ENDPOINT")]
+    endpoint: Option<String>,
+    /// Tokens per KV block (hashing of `token_ids`).
+    #[arg(long, env = "KVROUTER_BLOCK_SIZE")]
+    block_size: Option<u32>,
+    /// Ingest KV events (`false`: approximate mode).
+    #[arg(long, env = "KVROUTER_KV_EVENTS")]
+    kv_events: Option<bool>,
+    /// Share slot predictions with other replicas.
+    #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
+    replica_sync: Option<bool>,
+    /// JetStream durable events (not available in this version).
+    #[arg(long, env = "KVROUTER_DURABLE_KV_EVENTS")]
+    durable_kv_events: Option<bool>,
+    /// This router's id (random when 0 or absent).
+    #[arg(long, env = "KVROUTER_ROUTER_ID")]
+    router_id: Option<u64>,
+    /// Index shard cores.
+    #[arg(long, env = "KVROUTER_SHARDS")]
+    shards: Option<usize>,
+    /// CPUs: `api,nats,shard0,...` (comma list; unbound when absent).
+    #[arg(long, env = "KVROUTER_CPUS", value_delimiter = ',')]
+    cpus: Option<Vec<usize>>,
+    /// Bearer token guarding the mutating endpoints.
+    #[arg(long, env = "KVROUTER_AUTH_TOKEN")]
+    auth_token: Option<String>,
+    /// Largest request body, bytes.
+    #[arg(long, env = "KVROUTER_MAX_BODY_BYTES")]
+    max_body_bytes: Option<usize>,
+    /// Release requests not heard of for this many seconds.
+    #[arg(long, env = "KVROUTER_STALE_AFTER_SECS")]
+    stale_after_secs: Option<u64>,
+    /// Remove workers silent for this many seconds (workers without announcements).
+    #[arg(long, env = "KVROUTER_SILENCE_TIMEOUT_SECS")]
+    silence_timeout_secs: Option<u64>,
+    /// Seed of tie-breaking and sampling.
+    #[arg(long, env = "KVROUTER_SEED")]
+    seed: Option<u64>,
+    /// Workers to route to from the start (`worker_id` or `worker_id/dp_rank`, comma list).
+    #[arg(long, env = "KVROUTER_WORKERS", value_delimiter = ',')]
+    workers: Option<Vec<String>>,
+    /// Credit per cached device block.
+    #[arg(long, env = "KVROUTER_OVERLAP_SCORE_CREDIT")]
+    overlap_score_credit: Option<f64>,
+    /// Weight of prefill load against decode load.
+    #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE")]
+    prefill_load_scale: Option<f64>,
+    /// Softmax temperature (0: lowest cost).
+    #[arg(long, env = "KVROUTER_TEMPERATURE")]
+    temperature: Option<f64>,
+    /// Herd resistance: power of two choices among the k cheapest (0: off).
+    #[arg(long, env = "KVROUTER_HERD_K")]
+    herd_k: Option<usize>,
+    /// Busy threshold: most active decode blocks per worker.
+    #[arg(long, env = "KVROUTER_MAX_ACTIVE_DECODE_BLOCKS")]
+    max_active_decode_blocks: Option<u64>,
+    /// Busy threshold: most active prefill tokens per worker.
+    #[arg(long, env = "KVROUTER_MAX_ACTIVE_PREFILL_TOKENS")]
+    max_active_prefill_tokens: Option<u64>,
+}
+
+/// The effective configuration (also the TOML file's schema).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(crate) struct ServeConfig {
+    nats: String,
+    nats_token: Option<String>,
+    nats_user: Option<String>,
+    #[serde(skip_serializing)]
+    nats_password: Option<String>,
+    listen: SocketAddr,
+    namespace: String,
+    component: String,
+    endpoint: String,
+    block_size: u32,
+    kv_events: bool,
+    replica_sync: bool,
+    durable_kv_events: bool,
+    router_id: u64,
+    shards: usize,
+    cpus: Vec<usize>,
+    #[serde(skip_serializing)]
+    auth_token: Option<String>,
+    max_body_bytes: usize,
+    stale_after_secs: u64,
+    silence_timeout_secs: u64,
+    seed: u64,
+    workers: Vec<String>,
+    overlap_score_credit: f64,
+    prefill_load_scale: f64,
+    temperature: f64,
+    herd_k: usize,
+    max_active_decode_blocks: Option<u64>,
+    max_active_prefill_tokens: Option<u64>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        let cost = CostConfig::default();
+        Self {
+            nats: "nats://127.0.0.1:4222".into(),
+            nats_token: None,
+            nats_user: None,
+            nats_password: None,
+            listen: "127.0.0.1:8080".parse().expect("valid"),
+            namespace: "dynamo".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: 64,
+            kv_events: true,
+            replica_sync: true,
+            durable_kv_events: false,
+            router_id: 0,
+            shards: 1,
+            cpus: Vec::new(),
+            auth_token: None,
+            max_body_bytes: 4 << 20,
+            stale_after_secs: 600,
+            silence_timeout_secs: 60,
+            seed: 0,
+            workers: Vec::new(),
+            overlap_score_credit: cost.overlap_score_credit,
+            prefill_load_scale: cost.prefill_load_scale,
+            temperature: cost.temperature,
+            herd_k: 0,
+            max_active_decode_blocks: None,
+            max_active_prefill_tokens: None,
+        }
+    }
+}
+
+macro_rules! overlay {
+    ($cfg:ident, $args:ident, $($field:ident),*) => {
+        $( if let Some(v) = $args.$field.clone() { $cfg.$field = v; } )*
+    };
+}
+
+macro_rules! overlay_opt {
+    ($cfg:ident, $args:ident, $($field:ident),*) => {
+        $( if let Some(v) = $args.$field.clone() { $cfg.$field = Some(v); } )*
+    };
+}
+
+impl ServeConfig {
+    /// Defaults < file < env < flags (clap already merged env and flags).
+    pub(crate) fn resolve(args: &ServeArgs) -> anyhow::Result<ServeConfig> {
+        let mut cfg = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => ServeConfig::default(),
+        };
+        overlay!(
+            cfg,
+            args,
+            nats,
+            listen,
+            namespace,
+            component,
+            endpoint,
+            block_size,
+            kv_events,
+            replica_sync,
+            durable_kv_events,
+            router_id,
+            shards,
+            cpus,
+            max_body_bytes,
+            stale_after_secs,
+            silence_timeout_secs,
+            seed,
+            workers,
+            overlap_score_credit,
+            prefill_load_scale,
+            temperature,
+            herd_k
+        );
+        overlay_opt!(
+            cfg,
+            args,
+            nats_token,
+            nats_user,
+            nats_password,
+            auth_token,
+            max_active_decode_blocks,
+            max_active_prefill_tokens
+        );
+        Ok(cfg)
+    }
+
+    fn static_workers(&self) -> anyhow::Result<Vec<WorkerDp>> {
+        self.workers
+            .iter()
+            .map(|w| {
+                let (id, dp) = w.split_once('/').unwrap_or((w, "0"));
+                Ok(WorkerDp::new(
+                    id.trim().parse().context("worker id")?,
+                    dp.trim().parse().context("dp rank")?,
+                ))
+            })
+            .collect()
+    }
+}
+
+pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let mut cfg = ServeConfig::resolve(&args)?;
+    if cfg.durable_kv_events {
+        anyhow::bail!("durable KV events (JetStream) are not available in this version");
+    }
+    if cfg.router_id == 0 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let seed = [std::process::id() as u64, nanos]
+            .map(u64::to_le_bytes)
+            .concat();
+        cfg.router_id = (xxhash_rust::xxh3::xxh3_64(&seed) >> 11) | 1;
+    }
+    tracing::info!(config = %serde_json::to_string(&cfg).unwrap_or_default(), "effective configuration");
+    let subjects = Subjects {
+        namespace: cfg.namespace.clone(),
+        component: cfg.component.clone(),
+        endpoint: cfg.endpoint.clone(),
+    };
+    let nats = Options {
+        servers: vec![cfg.nats.clone()],
+        token: cfg.nats_token.clone(),
+        user: cfg.nats_user.clone(),
+        password: cfg.nats_password.clone(),
+        name: format!("kvrouter-{:x}", cfg.router_id),
+        max_reconnects: None,
+        ..Options::default()
+    };
+    let ingest = if cfg.kv_events {
+        Some(
+            Ingest::start(IngestConfig {
+                nats: nats.clone(),
+                subjects: subjects.clone(),
+                shards: cfg.shards,
+                cpus: cfg.cpus.iter().skip(1).copied().collect(),
+                silence_timeout: Duration::from_secs(cfg.silence_timeout_secs),
+                ..IngestConfig::default()
+            })
+            .context("starting the KV-event ingest")?,
+        )
+    } else {
+        None
+    };
+    let cost = CostConfig {
+        overlap_score_credit: cfg.overlap_score_credit,
+        prefill_load_scale: cfg.prefill_load_scale,
+        temperature: cfg.temperature,
+        herd: if cfg.herd_k > 0 {
+            Herd::PowerOfTwo { k: cfg.herd_k }
+        } else {
+            Herd::Off
+        },
+        max_active_decode_blocks: cfg.max_active_decode_blocks,
+        max_active_prefill_tokens: cfg.max_active_prefill_tokens,
+        ..CostConfig::default()
+    };
+    let rcfg = RouterConfig {
+        listen: cfg.listen,
+        http: HttpConfig {
+            max_body_bytes: cfg.max_body_bytes,
+            ..HttpConfig::default()
+        },
+        block_size: cfg.block_size,
+        cost,
+        kv_events: cfg.kv_events,
+        replica_sync: cfg.replica_sync,
+        router_id: cfg.router_id,
+        subjects,
+        nats,
+        stale_after: Duration::from_secs(cfg.stale_after_secs),
+        auth_token: cfg.auth_token.clone(),
+        seed: cfg.seed,
+        static_workers: cfg.static_workers()?,
+        ..RouterConfig::default()
+    };
+    let api = router::start(
+        rcfg,
+        ingest.as_ref().map(Ingest::view),
+        cfg.cpus.first().copied(),
+        512 << 10,
+    )
+    .map_err(|e| anyhow::anyhow!(e))
+    .context("starting the routing API")?;
+    println!("kvrouter serving on http://{}", api.addr());
+    api.join();
+    drop(ingest);
+    Ok(ExitCode::SUCCESS)
+}

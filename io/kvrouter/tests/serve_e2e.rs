@@ -1,0 +1,301 @@
+//! `kvrouter serve` end to end: three router processes on one nats-server ingest events that
+//! workers publish through the worker library; `/v1/route` picks the worker holding the
+//! prompt; first_token / free move the loads; the replicas converge on loads through
+//! replica sync; bad input gets 4xx answers.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvrouter_core::hash::{
+    HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
+};
+use kvrouter_io::nats::{Client, Options};
+use kvrouter_io::worker::{KvPublisher, PublisherOptions};
+use kvrouter_tests::{NatsServer, http, on_glommio};
+use serde_json::Value;
+
+struct Router {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn router(nats: &str, extra: &[&str]) -> Router {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args([
+            "serve",
+            "--nats",
+            nats,
+            "--listen",
+            "127.0.0.1:0",
+            "--block-size",
+            "16",
+        ])
+        .args(extra)
+        .env("KVROUTER_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvrouter serve starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("banner");
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .expect("address")
+        .to_owned();
+    Router { child, addr }
+}
+
+fn json(r: (u16, String)) -> (u16, Value) {
+    (r.0, serde_json::from_str(&r.1).unwrap_or(Value::Null))
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+fn worker_row(addr: &str, worker: u64) -> Option<Value> {
+    let (_, v) = json(http(addr, "GET", "/v1/workers", "", &[]));
+    v["workers"]
+        .as_array()?
+        .iter()
+        .find(|w| w["worker_id"].as_u64() == Some(worker))
+        .cloned()
+}
+
+const A: u64 = 15_655_423_716_543_156_698; // above 2^53, like Dynamo's ids
+const B: u64 = 77;
+
+#[test]
+fn three_replicas_route_track_loads_and_converge() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let replicas = [
+        router(&url, &[]),
+        router(&url, &[]),
+        router(
+            &url,
+            &["--auth-token", "sekret", "--max-body-bytes", "4096"],
+        ),
+    ];
+    for r in &replicas {
+        wait_until("healthz", || {
+            http(&r.addr, "GET", "/healthz", "", &[]).0 == 200
+        });
+    }
+
+    // Worker A caches a 256-token prompt (16 blocks of 16 tokens); worker B another one.
+    let prompt_a: Vec<u32> = (0..256).collect();
+    let prompt_b: Vec<u32> = (1000..1256).collect();
+    let la = local_block_hashes(&prompt_a, 16, &HashOptions::default());
+    let lb = local_block_hashes(&prompt_b, 16, &HashOptions::default());
+    let chain = |l: &[LocalBlockHash]| -> Vec<(LocalBlockHash, SequenceBlockHash)> {
+        l.iter().copied().zip(sequence_hashes(l)).collect()
+    };
+    let (ca, cb) = (chain(&la), chain(&lb));
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let nats = url.clone();
+    let workers = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(Options {
+                servers: vec![nats],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let a = KvPublisher::start(
+                client.clone(),
+                PublisherOptions {
+                    heartbeat: Duration::from_millis(200),
+                    ..PublisherOptions::new(A)
+                },
+            )
+            .await
+            .unwrap();
+            let b = KvPublisher::start(
+                client.clone(),
+                PublisherOptions {
+                    heartbeat: Duration::from_millis(200),
+                    ..PublisherOptions::new(B)
+                },
+            )
+            .await
+            .unwrap();
+            a.stored(0, None, ca).await.unwrap();
+            b.stored(0, None, cb).await.unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            while stop_rx.try_recv().is_err() {
+                glommio::timer::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    });
+    for r in &replicas {
+        wait_until("both workers ingested", || {
+            [A, B].iter().all(|&w| {
+                worker_row(&r.addr, w).is_some_and(|row| row["last_event_id"].as_u64() == Some(0))
+            })
+        });
+    }
+    // Exact u64 worker ids in JSON.
+    let row = worker_row(&replicas[0].addr, A).unwrap();
+    assert!(row.to_string().contains("15655423716543156698"));
+    assert_eq!(row["cached_blocks"], 16);
+
+    // Overlaps: positive counts only, with dp_rank.
+    let query = format!("{{\"token_ids\": {:?}}}", &prompt_a[..200]);
+    let (status, v) = json(http(&replicas[0].addr, "POST", "/v1/overlaps", &query, &[]));
+    assert_eq!(status, 200);
+    assert_eq!(
+        v["overlaps"],
+        serde_json::json!([{"worker_id": A, "dp_rank": 0, "blocks": 12}])
+    );
+
+    // Route: the worker holding the prompt wins.
+    let body = format!(
+        "{{\"token_ids\": {:?}, \"request_id\": \"req-1\", \"explain\": true}}",
+        &prompt_a[..200]
+    );
+    let (status, v) = json(http(&replicas[0].addr, "POST", "/v1/route", &body, &[]));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["worker_id"].as_u64(), Some(A));
+    assert_eq!(v["overlap_blocks"], 12);
+    assert_eq!(v["request_id"], "req-1");
+    assert_eq!(v["candidates"].as_array().unwrap().len(), 2);
+
+    // The replicas learn the load of req-1.
+    for r in &replicas {
+        wait_until("the active request replicated", || {
+            worker_row(&r.addr, A).is_some_and(|w| w["active_requests"] == 1)
+        });
+    }
+    let prefill = worker_row(&replicas[1].addr, A).unwrap()["active_prefill_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(prefill, 200 - 12 * 16);
+    // First token, through replica 2: prefill released everywhere.
+    assert_eq!(
+        http(
+            &replicas[1].addr,
+            "POST",
+            "/v1/requests/req-1/first_token",
+            "",
+            &[]
+        )
+        .0,
+        200
+    );
+    for r in &replicas {
+        wait_until("prefill released", || {
+            worker_row(&r.addr, A).is_some_and(|w| w["active_prefill_tokens"] == 0)
+        });
+    }
+    // Free, through replica 3 (which wants its bearer token).
+    assert_eq!(
+        http(
+            &replicas[2].addr,
+            "POST",
+            "/v1/requests/req-1/free",
+            "",
+            &[]
+        )
+        .0,
+        401
+    );
+    assert_eq!(
+        http(
+            &replicas[2].addr,
+            "POST",
+            "/v1/requests/req-1/free",
+            "",
+            &[("Authorization", "Bearer sekret")]
+        )
+        .0,
+        200
+    );
+    for r in &replicas {
+        wait_until("request freed", || {
+            worker_row(&r.addr, A).is_some_and(|w| w["active_requests"] == 0)
+        });
+    }
+
+    // Load moves decisions: with B loaded by many requests, a fresh prompt goes to A.
+    let fresh =
+        "{\"token_ids\": [9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9]}";
+    let mut to_a = 0;
+    for _ in 0..6 {
+        let (_, v) = json(http(&replicas[0].addr, "POST", "/v1/route", fresh, &[]));
+        if v["worker_id"].as_u64() == Some(A) {
+            to_a += 1;
+        }
+    }
+    assert!(
+        (2..=4).contains(&to_a),
+        "load-balanced by predicted decode blocks: {to_a}/6 to A"
+    );
+
+    // Bad input.
+    let r0 = &replicas[0].addr;
+    assert_eq!(http(r0, "POST", "/v1/route", "{not json", &[]).0, 400);
+    assert_eq!(
+        http(
+            r0,
+            "POST",
+            "/v1/route",
+            "{\"token_ids\": [1], \"block_hashes\": [1]}",
+            &[]
+        )
+        .0,
+        400
+    );
+    assert_eq!(
+        http(r0, "POST", "/v1/route", "{\"token_ids\": [-1]}", &[]).0,
+        400
+    );
+    assert_eq!(http(r0, "POST", "/v1/requests/nope/free", "", &[]).0, 404);
+    assert_eq!(http(r0, "GET", "/v1/nothing", "", &[]).0, 404);
+    assert_eq!(http(r0, "GET", "/v1/route", "", &[]).0, 405);
+    let big = format!("{{\"token_ids\": {:?}}}", vec![1u32; 5000]);
+    assert_eq!(
+        http(&replicas[2].addr, "POST", "/v1/overlaps", &big, &[]).0,
+        413
+    );
+    // Block hashes as decimal strings (ids above 2^53).
+    let (status, v) = json(http(
+        r0,
+        "POST",
+        "/v1/overlaps",
+        &format!("{{\"block_hashes\": [\"{}\"]}}", la[0].0),
+        &[],
+    ));
+    assert_eq!(
+        (status, v["overlaps"][0]["blocks"].as_u64()),
+        (200, Some(1))
+    );
+    let (status, metrics) = http(r0, "GET", "/metrics", "", &[]);
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("kvrouter_router_routes_total 7")
+            && metrics.contains("kvrouter_ingest_events_total"),
+        "{metrics}"
+    );
+
+    stop_tx.send(()).unwrap();
+    workers.join().unwrap();
+}
