@@ -5,6 +5,7 @@
 //! * [`perf`]: timed replays of replay logs through an index (`kvrouter replay --perf`).
 //! * [`concurrent`]: writers applying a log's events at full speed while readers look up.
 //! * [`ingest`]: end-to-end ingest over a real NATS server, next to the broker's raw rate.
+//! * [`route`]: a load generator for the routing API.
 //! * `dynamo` (feature `dynamo`): the same replays through `dynamo-kv-router` 1.6.1's
 //!   `RadixTree` and `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
 //!
@@ -15,3 +16,4 @@ pub mod concurrent;
 pub mod dynamo;
 pub mod ingest;
 pub mod perf;
+pub mod route;

@@ -57,6 +57,8 @@ pub struct Slots {
     stale_after_ms: u64,
     workers: HashMap<WorkerDp, WorkerSlots>,
     requests: HashMap<String, Active>,
+    /// Block -> the workers with it active (for one-pass potential-load queries).
+    holders: HashMap<u64, Vec<WorkerDp>>,
 }
 
 impl Slots {
@@ -66,6 +68,7 @@ impl Slots {
             stale_after_ms,
             workers: HashMap::new(),
             requests: HashMap::new(),
+            holders: HashMap::new(),
         }
     }
 
@@ -84,7 +87,11 @@ impl Slots {
         }
         let w = self.workers.entry(worker).or_default();
         for &b in &blocks {
-            *w.blocks.entry(b).or_insert(0) += 1;
+            let n = w.blocks.entry(b).or_insert(0);
+            if *n == 0 {
+                self.holders.entry(b).or_default().push(worker);
+            }
+            *n += 1;
         }
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
@@ -169,6 +176,10 @@ impl Slots {
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.requests.retain(|_, r| r.worker.worker_id != worker_id);
         self.workers.retain(|w, _| w.worker_id != worker_id);
+        self.holders.retain(|_, h| {
+            h.retain(|w| w.worker_id != worker_id);
+            !h.is_empty()
+        });
     }
 
     /// A worker's load.
@@ -190,6 +201,27 @@ impl Slots {
         new.sort_unstable();
         new.dedup();
         active.map_or(0, |w| w.blocks.len() as u64) + new.len() as u64
+    }
+
+    /// [`Self::potential_blocks`] for every worker at once: one pass over the request's
+    /// blocks, whatever the number of workers. Returns a function of the worker.
+    pub fn potential_blocks_all(&self, blocks: &[u64]) -> impl Fn(WorkerDp) -> u64 + '_ {
+        let mut unique: Vec<u64> = blocks.to_vec();
+        unique.sort_unstable();
+        unique.dedup();
+        let mut shared: HashMap<WorkerDp, u64> = HashMap::new();
+        for b in &unique {
+            if let Some(h) = self.holders.get(b) {
+                for w in h {
+                    *shared.entry(*w).or_insert(0) += 1;
+                }
+            }
+        }
+        let n = unique.len() as u64;
+        move |w| {
+            let active = self.workers.get(&w).map_or(0, |s| s.blocks.len() as u64);
+            active + n - shared.get(&w).copied().unwrap_or(0)
+        }
     }
 
     /// Workers with active requests.
@@ -228,6 +260,10 @@ mod tests {
             }
         );
         assert_eq!(s.potential_blocks(A, &[1, 5, 5, 6]), 6);
+        {
+            let all = s.potential_blocks_all(&[1, 5, 5, 6]);
+            assert_eq!((all(A), all(WorkerDp::new(9, 0))), (6, 3));
+        }
         s.mark_prefill_done("r1", 10).unwrap();
         assert_eq!(s.load(A).active_prefill_tokens, 100);
         s.free("r1").unwrap();

@@ -305,6 +305,19 @@ impl std::fmt::Debug for IngestView {
 }
 
 impl IngestView {
+    /// A view of an index fed by something else than NATS (benchmarks, the harness): always
+    /// ready, no counters, a fixed worker list.
+    pub fn fixed(reader: TreeReader, workers: Vec<WorkerSummary>) -> Self {
+        let map: HashMap<WorkerDp, WorkerSummary> =
+            workers.into_iter().map(|s| (s.worker, s)).collect();
+        IngestView {
+            reader,
+            counters: Arc::new(IngestCounters::default()),
+            ready: Arc::new(AtomicBool::new(true)),
+            summaries: vec![Arc::new(Mutex::new(map))],
+        }
+    }
+
     /// Lock-free lookups into the index.
     pub fn reader(&self) -> &TreeReader {
         &self.reader

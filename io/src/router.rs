@@ -69,6 +69,9 @@ pub struct RouterConfig {
     pub seed: u64,
     /// Workers to route to even before any event of theirs arrives (approximate mode).
     pub static_workers: Vec<WorkerDp>,
+    /// Let the API executor spin this long before parking: lower latency on a dedicated
+    /// core, wasted CPU on a shared one.
+    pub spin_before_park: Option<Duration>,
 }
 
 impl Default for RouterConfig {
@@ -88,6 +91,7 @@ impl Default for RouterConfig {
             auth_token: None,
             seed: 0,
             static_workers: Vec::new(),
+            spin_before_park: None,
         }
     }
 }
@@ -98,20 +102,28 @@ struct U64Lenient(u64);
 
 impl<'de> Deserialize<'de> for U64Lenient {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Either {
-            N(u64),
-            S(String),
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = U64Lenient;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an unsigned 64-bit integer or its decimal string")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<U64Lenient, E> {
+                Ok(U64Lenient(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<U64Lenient, E> {
+                u64::try_from(v)
+                    .map(U64Lenient)
+                    .map_err(|_| E::custom("negative hash"))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<U64Lenient, E> {
+                v.trim()
+                    .parse()
+                    .map(U64Lenient)
+                    .map_err(|_| E::custom(format!("{v:?} is not a decimal u64")))
+            }
         }
-        match Either::deserialize(d)? {
-            Either::N(n) => Ok(U64Lenient(n)),
-            Either::S(s) => s
-                .trim()
-                .parse()
-                .map(U64Lenient)
-                .map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(V)
     }
 }
 
@@ -238,20 +250,23 @@ impl State {
             self.scratch = overlaps;
             return Response::error(503, "no workers known yet");
         }
-        let candidates: Vec<Candidate> = workers
-            .iter()
-            .map(|&w| {
-                let load = self.slots.load(w);
-                Candidate {
-                    worker: w,
-                    active_prefill_tokens: load.active_prefill_tokens,
-                    active_decode_blocks: load.active_blocks,
-                    potential_decode_blocks: self.slots.potential_blocks(w, &seqs),
-                    device_overlap_blocks: overlaps.get(w),
-                    ..Default::default()
-                }
-            })
-            .collect();
+        let candidates: Vec<Candidate> = {
+            let potential = self.slots.potential_blocks_all(&seqs);
+            workers
+                .iter()
+                .map(|&w| {
+                    let load = self.slots.load(w);
+                    Candidate {
+                        worker: w,
+                        active_prefill_tokens: load.active_prefill_tokens,
+                        active_decode_blocks: load.active_blocks,
+                        potential_decode_blocks: potential(w),
+                        device_overlap_blocks: overlaps.get(w),
+                        ..Default::default()
+                    }
+                })
+                .collect()
+        };
         self.scratch = overlaps;
         let scored = score(&self.cfg.cost, tokens, self.cfg.block_size, &candidates);
         let Some(i) = choose(&self.cfg.cost, &scored, &mut self.rng) else {
@@ -636,9 +651,13 @@ pub fn start(
     let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<SocketAddr, String>>();
     let (stop, stop_rx) = flume::bounded::<()>(1);
     let placement = cpu.map_or(glommio::Placement::Unbound, glommio::Placement::Fixed);
-    let thread = glommio::LocalExecutorBuilder::new(placement)
+    let mut builder = glommio::LocalExecutorBuilder::new(placement)
         .name("kvrouter-api")
-        .io_memory(io_memory)
+        .io_memory(io_memory);
+    if let Some(spin) = cfg.spin_before_park {
+        builder = builder.spin_before_park(spin);
+    }
+    let thread = builder
         .spawn(move || async move { run(cfg, ingest, addr_tx, stop_rx).await })
         .map_err(|e| e.to_string())?;
     let addr = addr_rx

@@ -82,6 +82,23 @@ enum Cmd {
         #[arg(long)]
         rate: Option<f64>,
     },
+    /// Routing-API load generator over loopback, with the log's events loaded.
+    Route {
+        /// Replay log (events loaded, queries sent).
+        log: PathBuf,
+        /// Routes per second (0: as fast as possible, closed loop).
+        #[arg(long, default_value_t = 10_000.0)]
+        rate: f64,
+        /// Seconds per run.
+        #[arg(long, default_value_t = 5)]
+        seconds: u64,
+        /// Client connections.
+        #[arg(long, default_value_t = 1)]
+        connections: usize,
+        /// Runs (medians are printed).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Every index, each in its own process, `--runs` times; medians and ratios.
     Compare {
         /// Replay log.
@@ -127,6 +144,42 @@ fn main() -> anyhow::Result<()> {
             writers,
             readers,
         } => compare(&log, runs, writers, readers),
+        Cmd::Route {
+            log,
+            rate,
+            seconds,
+            connections,
+            runs,
+        } => {
+            let loaded = LoadedLog::load(&log)?;
+            let mut reports = Vec::new();
+            for run in 0..runs {
+                let r = kvrouter_bench::route::run(
+                    &loaded,
+                    rate,
+                    std::time::Duration::from_secs(seconds),
+                    connections,
+                )?;
+                eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
+                reports.push(r);
+            }
+            let med = |f: fn(&kvrouter_bench::route::RouteReport) -> f64| {
+                median(reports.iter().map(f).collect())
+            };
+            println!(
+                "route ({} cached blocks, target {rate} routes/s, {connections} connection(s), median of {runs}): {:.0} routes/s; \
+                 client-side p50/p99/p999 {:.1}/{:.1}/{:.1} us; server-side decision p50/p99/p999 {:.1}/{:.1}/{:.1} us",
+                reports[0].cached_blocks,
+                med(|r| r.routes_per_s),
+                med(|r| r.p50_ns as f64) / 1e3,
+                med(|r| r.p99_ns as f64) / 1e3,
+                med(|r| r.p999_ns as f64) / 1e3,
+                med(|r| r.server_p50_ns as f64) / 1e3,
+                med(|r| r.server_p99_ns as f64) / 1e3,
+                med(|r| r.server_p999_ns as f64) / 1e3,
+            );
+            Ok(())
+        }
         Cmd::Ingest {
             log,
             nats,

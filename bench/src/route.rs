@@ -1,0 +1,211 @@
+//! Routing-API load generator over loopback: the router serves `/v1/route` from an index
+//! loaded with a replay log's events; a client thread sends the log's queries over
+//! keep-alive HTTP connections and frees each request after its decision.
+//!
+//! * **open loop** at a fixed rate (`--rate`): decision latency p50/p99/p999 as the client
+//!   sees it (send to full answer, loopback included);
+//! * **closed loop** (`--rate 0`): the maximum sustained routes/s with `connections`
+//!   connections.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use kvrouter_core::index::{Index, TreeIndex};
+use kvrouter_io::ingest::IngestView;
+use kvrouter_io::router::{self, RouterConfig};
+use serde::Serialize;
+
+use crate::perf::{LoadedLog, PerfOp, percentile};
+
+/// One load-generator run. Field names are the JSON keys.
+#[derive(Debug, Clone, Serialize)]
+pub struct RouteReport {
+    /// Target rate, routes/s (0: closed loop).
+    pub rate: f64,
+    /// Routes answered.
+    pub routes: u64,
+    /// Achieved routes/s.
+    pub routes_per_s: f64,
+    /// Client-side decision latency, median, ns.
+    pub p50_ns: u64,
+    /// 99th percentile, ns.
+    pub p99_ns: u64,
+    /// 99.9th percentile, ns.
+    pub p999_ns: u64,
+    /// Server-side decision time (the handler), median, ns.
+    pub server_p50_ns: u64,
+    /// Server-side decision time, 99th percentile, ns.
+    pub server_p99_ns: u64,
+    /// Server-side decision time, 99.9th percentile, ns.
+    pub server_p999_ns: u64,
+    /// Cached blocks in the index.
+    pub cached_blocks: u64,
+}
+
+fn request(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<Vec<u8>> {
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body.as_bytes())?;
+    buf.clear();
+    let mut chunk = [0u8; 16 << 10];
+    loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::Error::other("connection closed"));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = std::str::from_utf8(&buf[..end]).unwrap_or("");
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap_or(0))
+                })
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                return Ok(buf[end + 4..end + 4 + len].to_vec());
+            }
+        }
+    }
+}
+
+/// Loads the log's events into an index, starts the routing API on it, and drives
+/// `/v1/route` for `duration`.
+pub fn run(
+    log: &LoadedLog,
+    rate: f64,
+    duration: Duration,
+    connections: usize,
+) -> anyhow::Result<RouteReport> {
+    let mut index = TreeIndex::new(1);
+    for op in &log.ops {
+        if let PerfOp::Event(e) = op {
+            let _ = index.apply(e.clone());
+        }
+    }
+    let cached_blocks = index.block_count() as u64;
+    let view = IngestView::fixed(index.reader(), index.workers());
+    let cfg = RouterConfig {
+        listen: "127.0.0.1:0".parse()?,
+        replica_sync: false,
+        block_size: log.header.block_tokens.max(1) as u32,
+        spin_before_park: std::env::var("KVROUTER_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_micros),
+        ..RouterConfig::default()
+    };
+    let api = router::start(cfg, Some(view), None, 512 << 10).map_err(|e| anyhow::anyhow!(e))?;
+    let addr = api.addr();
+    let bodies: Vec<String> = log
+        .queries()
+        .map(|q| {
+            let hashes: Vec<u64> = q.iter().map(|l| l.0).collect();
+            format!(
+                "{{\"block_hashes\":{}}}",
+                serde_json::to_string(&hashes).unwrap_or_default()
+            )
+        })
+        .collect();
+    let per_conn_rate = if rate > 0.0 {
+        rate / connections as f64
+    } else {
+        0.0
+    };
+    let start = Instant::now();
+    let threads: Vec<_> = (0..connections)
+        .map(|c| {
+            let bodies = bodies.clone();
+            std::thread::spawn(move || -> anyhow::Result<Vec<u64>> {
+                let mut stream = TcpStream::connect(addr)?;
+                stream.set_nodelay(true)?;
+                let mut buf = Vec::new();
+                let mut lat = Vec::new();
+                let t0 = Instant::now();
+                let mut i = c * 7919;
+                let mut sent = 0u64;
+                while t0.elapsed() < duration {
+                    if per_conn_rate > 0.0 {
+                        let due = Duration::from_secs_f64(sent as f64 / per_conn_rate);
+                        if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                            std::thread::sleep(wait);
+                        }
+                    }
+                    let body = &bodies[i % bodies.len()];
+                    i += 1;
+                    sent += 1;
+                    let t = Instant::now();
+                    let answer = request(&mut stream, &mut buf, "POST", "/v1/route", body)?;
+                    lat.push(t.elapsed().as_nanos() as u64);
+                    let v: serde_json::Value = serde_json::from_slice(&answer)?;
+                    let id = v["request_id"].as_str().unwrap_or_default().to_owned();
+                    request(
+                        &mut stream,
+                        &mut buf,
+                        "POST",
+                        &format!("/v1/requests/{id}/free"),
+                        "",
+                    )?;
+                }
+                Ok(lat)
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    for t in threads {
+        lat.extend(
+            t.join()
+                .map_err(|_| anyhow::anyhow!("client thread panicked"))??,
+        );
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    // Server-side decision time (handler only, recent decisions), from /metrics.
+    let mut stream = TcpStream::connect(addr)?;
+    let metrics = String::from_utf8(request(
+        &mut stream,
+        &mut Vec::new(),
+        "GET",
+        "/metrics",
+        "",
+    )?)?;
+    let quantile = |q: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "kvrouter_router_decision_seconds{{quantile=\"{q}\"}}"
+                ))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .map_or(0, |s| (s * 1e9) as u64)
+    };
+    let (server_p50_ns, server_p99_ns, server_p999_ns) =
+        (quantile("0.5"), quantile("0.99"), quantile("0.999"));
+    api.stop();
+    lat.sort_unstable();
+    Ok(RouteReport {
+        rate,
+        routes: lat.len() as u64,
+        routes_per_s: lat.len() as f64 / elapsed,
+        p50_ns: percentile(&lat, 0.5),
+        p99_ns: percentile(&lat, 0.99),
+        p999_ns: percentile(&lat, 0.999),
+        server_p50_ns,
+        server_p99_ns,
+        server_p999_ns,
+        cached_blocks,
+    })
+}
