@@ -252,6 +252,46 @@ pub fn sequence_hashes(locals: &[LocalBlockHash]) -> Vec<SequenceBlockHash> {
     out
 }
 
+/// A fast, fixed (repeatable) hasher for keys that are already well-spread integers — block
+/// hashes, worker ids: the SplitMix64 finaliser. Not for attacker-chosen keys of a
+/// long-lived table that must resist flooding.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MixHasher(u64);
+
+/// `BuildHasher` for [`MixHasher`].
+pub type MixBuildHasher = std::hash::BuildHasherDefault<MixHasher>;
+
+impl std::hash::Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 = mix(self.0 ^ u64::from_le_bytes(b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = mix(self.0 ^ v);
+    }
+
+    fn write_u32(&mut self, v: u32) {
+        self.0 = mix(self.0 ^ v as u64);
+    }
+}
+
+/// The SplitMix64 finaliser.
+#[inline]
+pub fn mix(k: u64) -> u64 {
+    let mut z = k.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// A helper for decoders: a `u64` that may arrive as a JSON/msgpack integer or as a decimal
 /// string (Dynamo's `forward-pass-metrics` carries `worker_id` as a string).
 pub(crate) fn deserialize_u64_or_string<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {

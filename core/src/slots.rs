@@ -11,7 +11,10 @@
 
 use std::collections::HashMap;
 
+use crate::hash::MixBuildHasher;
 use crate::worker::{WorkerDp, WorkerId};
+
+type Map<K, V> = HashMap<K, V, MixBuildHasher>;
 
 /// Why a slot operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,7 +41,7 @@ pub struct WorkerLoad {
 
 #[derive(Debug, Default)]
 struct WorkerSlots {
-    blocks: HashMap<u64, u32>,
+    blocks: Map<u64, u32>,
     prefill_tokens: u64,
     requests: u64,
 }
@@ -55,10 +58,8 @@ struct Active {
 #[derive(Debug)]
 pub struct Slots {
     stale_after_ms: u64,
-    workers: HashMap<WorkerDp, WorkerSlots>,
+    workers: Map<WorkerDp, WorkerSlots>,
     requests: HashMap<String, Active>,
-    /// Block -> the workers with it active (for one-pass potential-load queries).
-    holders: HashMap<u64, Vec<WorkerDp>>,
 }
 
 impl Slots {
@@ -66,9 +67,8 @@ impl Slots {
     pub fn new(stale_after_ms: u64) -> Self {
         Self {
             stale_after_ms,
-            workers: HashMap::new(),
+            workers: Map::default(),
             requests: HashMap::new(),
-            holders: HashMap::new(),
         }
     }
 
@@ -87,11 +87,7 @@ impl Slots {
         }
         let w = self.workers.entry(worker).or_default();
         for &b in &blocks {
-            let n = w.blocks.entry(b).or_insert(0);
-            if *n == 0 {
-                self.holders.entry(b).or_default().push(worker);
-            }
-            *n += 1;
+            *w.blocks.entry(b).or_insert(0) += 1;
         }
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
@@ -176,10 +172,6 @@ impl Slots {
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.requests.retain(|_, r| r.worker.worker_id != worker_id);
         self.workers.retain(|w, _| w.worker_id != worker_id);
-        self.holders.retain(|_, h| {
-            h.retain(|w| w.worker_id != worker_id);
-            !h.is_empty()
-        });
     }
 
     /// A worker's load.
@@ -203,25 +195,26 @@ impl Slots {
         active.map_or(0, |w| w.blocks.len() as u64) + new.len() as u64
     }
 
-    /// [`Self::potential_blocks`] for every worker at once: one pass over the request's
-    /// blocks, whatever the number of workers. Returns a function of the worker.
+    /// [`Self::potential_blocks`] for every worker at once: the request's blocks are
+    /// deduplicated once and checked only against workers that have active blocks (idle
+    /// workers simply add them all). Returns a function of the worker.
     pub fn potential_blocks_all(&self, blocks: &[u64]) -> impl Fn(WorkerDp) -> u64 + '_ {
         let mut unique: Vec<u64> = blocks.to_vec();
         unique.sort_unstable();
         unique.dedup();
-        let mut shared: HashMap<WorkerDp, u64> = HashMap::new();
-        for b in &unique {
-            if let Some(h) = self.holders.get(b) {
-                for w in h {
-                    *shared.entry(*w).or_insert(0) += 1;
-                }
-            }
-        }
         let n = unique.len() as u64;
-        move |w| {
-            let active = self.workers.get(&w).map_or(0, |s| s.blocks.len() as u64);
-            active + n - shared.get(&w).copied().unwrap_or(0)
-        }
+        let busy: Map<WorkerDp, u64> = self
+            .workers
+            .iter()
+            .map(|(&w, s)| {
+                (
+                    w,
+                    s.blocks.len() as u64
+                        + unique.iter().filter(|b| !s.blocks.contains_key(b)).count() as u64,
+                )
+            })
+            .collect();
+        move |w| busy.get(&w).copied().unwrap_or(n)
     }
 
     /// Workers with active requests.

@@ -9,36 +9,9 @@
 //! faster. Memory stays under half of Dynamo's per block with hashbrown (docs/BENCHMARKS.md).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
-/// The finaliser of SplitMix64: a fixed, well-mixing hash of one `u64`.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct MixHasher(u64);
-
-impl Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `u64` keys are hashed; fold anything else in for completeness.
-        for &b in bytes {
-            self.0 = mix(self.0 ^ b as u64);
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = mix(v);
-    }
-}
-
-#[inline]
-pub(crate) fn mix(k: u64) -> u64 {
-    let mut z = k.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+pub(crate) use crate::hash::MixHasher;
 
 /// See the [module docs](self).
 #[derive(Debug, Clone, Default)]
