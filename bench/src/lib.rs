@@ -5,6 +5,8 @@
 //! * [`perf`]: timed replays of replay logs through an index (`kvrouter replay --perf`).
 //! * [`concurrent`]: writers applying a log's events at full speed while readers look up.
 //! * [`ingest`]: end-to-end ingest over a real NATS server, next to the broker's raw rate.
+//! * [`harness`]: mock engines serving a Mooncake trace under each routing policy
+//!   (`kvrouter bench`).
 //! * [`route`]: a load generator for the routing API.
 //! * `dynamo` (feature `dynamo`): the same replays through `dynamo-kv-router` 1.6.1's
 //!   `RadixTree` and `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
@@ -14,6 +16,7 @@
 pub mod concurrent;
 #[cfg(feature = "dynamo")]
 pub mod dynamo;
+pub mod harness;
 pub mod ingest;
 pub mod perf;
 pub mod route;

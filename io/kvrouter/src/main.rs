@@ -3,6 +3,7 @@
 //! Exit codes: 0 success; 1 a check failed (replay mismatches); 2 bad usage, unreadable
 //! input or any other error.
 
+mod bench;
 mod replay;
 mod serve;
 
@@ -20,6 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Benchmark the routing policies: mock engines serve a Mooncake trace once per policy.
+    Bench(Box<bench::BenchArgs>),
     /// Stream a replay log of index operations through an index and check every answer.
     Replay(replay::ReplayArgs),
     /// Run the router: ingest KV events from NATS and serve routing decisions over HTTP.
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Bench(args) => bench::run(*args),
         Command::Replay(args) => replay::run(args),
         Command::Serve(args) => serve::run(*args),
     };

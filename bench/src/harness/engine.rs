@@ -1,0 +1,509 @@
+//! The mock engine: one inference worker's KV cache and scheduler, in virtual time.
+//!
+//! * **KV block manager**: `capacity` blocks of `block_size` tokens; a request reuses the
+//!   longest cached prefix of its blocks; missing blocks are allocated when its prefill
+//!   starts, evicting least-recently-used *leaves* (cached blocks with no cached child and no
+//!   running request) one by one, each eviction published as a removed event; the new blocks
+//!   are published as one stored event when the prefill completes. Output tokens are not
+//!   cached (the next turn's prompt carries them).
+//! * **Continuous batching with chunked prefill**: each step runs one decode token for every
+//!   running request past its prefill, plus prefill chunks of the others in arrival order,
+//!   up to `max_batch_tokens` tokens in all.
+//! * **Timing model** (documented in `docs/HARNESS.md`): a step with `T` prefill tokens and
+//!   `D` decode requests over `K` cached tokens of running requests takes
+//!   `(prefill_c + prefill_b·T + prefill_a·T²) [if T > 0] + decode_base + decode_per_ktoken·K/1000`
+//!   milliseconds, divided by `speedup`.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
+use kvrouter_core::worker::WorkerId;
+
+/// Settings of a mock engine.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV cache capacity, blocks.
+    pub capacity_blocks: usize,
+    /// Token budget of one step (prefill chunks + one token per decoding request).
+    pub max_batch_tokens: u32,
+    /// Most requests in the running batch.
+    pub max_running: usize,
+    /// Prefill time, quadratic term (ms per token²).
+    pub prefill_a: f64,
+    /// Prefill time, linear term (ms per token).
+    pub prefill_b: f64,
+    /// Prefill time, constant (ms per step with prefill).
+    pub prefill_c: f64,
+    /// Decode step base time (ms).
+    pub decode_base: f64,
+    /// Decode step time per 1000 cached tokens of running requests (ms).
+    pub decode_per_ktoken: f64,
+    /// Divides every duration.
+    pub speedup: f64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 64,
+            capacity_blocks: 65_536,
+            max_batch_tokens: 8192,
+            max_running: 256,
+            prefill_a: 2e-6,
+            prefill_b: 0.12,
+            prefill_c: 10.0,
+            decode_base: 15.0,
+            decode_per_ktoken: 0.04,
+            speedup: 1.0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Duration of a step, ms.
+    pub fn step_ms(&self, prefill_tokens: u32, kv_tokens: u64) -> f64 {
+        let t = prefill_tokens as f64;
+        let prefill = if prefill_tokens > 0 {
+            self.prefill_c + self.prefill_b * t + self.prefill_a * t * t
+        } else {
+            0.0
+        };
+        (prefill + self.decode_base + self.decode_per_ktoken * kv_tokens as f64 / 1000.0)
+            / self.speedup
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    parent: Option<u64>,
+    local: u64,
+    children: u32,
+    /// Running requests using the block.
+    refs: u32,
+    last_used: u64,
+}
+
+/// A request inside an engine.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// Harness request index.
+    pub id: usize,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Tokens to generate.
+    pub output_tokens: u32,
+    /// Full prompt blocks: (local, sequence) hashes.
+    pub blocks: Vec<(LocalBlockHash, SequenceBlockHash)>,
+    cached_blocks: usize,
+    prefilled: u32,
+    generated: u32,
+    admitted: bool,
+}
+
+impl EngineRequest {
+    /// A request with its prompt blocks.
+    pub fn new(
+        id: usize,
+        input_tokens: u32,
+        output_tokens: u32,
+        blocks: Vec<(LocalBlockHash, SequenceBlockHash)>,
+    ) -> Self {
+        Self {
+            id,
+            input_tokens,
+            output_tokens,
+            blocks,
+            cached_blocks: 0,
+            prefilled: 0,
+            generated: 0,
+            admitted: false,
+        }
+    }
+}
+
+/// What a step produced.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    /// Requests that produced their first token.
+    pub first_tokens: Vec<usize>,
+    /// Requests that produced a later token.
+    pub tokens: Vec<usize>,
+    /// Requests that finished (after their last token).
+    pub finished: Vec<usize>,
+}
+
+/// See the [module docs](self).
+#[derive(Debug)]
+pub struct Engine {
+    /// The worker id it publishes as.
+    pub worker_id: WorkerId,
+    cfg: EngineConfig,
+    blocks: HashMap<u64, Block>,
+    /// Evictable leaves by (last use, sequence hash).
+    leaves: BTreeSet<(u64, u64)>,
+    waiting: VecDeque<EngineRequest>,
+    running: Vec<EngineRequest>,
+    clock: u64,
+    next_event_id: u64,
+    events: Vec<RouterEvent>,
+    /// Prompt blocks served from the cache, and prompt blocks in all (for hit ratios).
+    pub hit_blocks: u64,
+    /// Prompt blocks in all.
+    pub prompt_blocks: u64,
+}
+
+impl Engine {
+    /// An idle engine with an empty cache.
+    pub fn new(worker_id: WorkerId, cfg: EngineConfig) -> Self {
+        Self {
+            worker_id,
+            cfg,
+            blocks: HashMap::new(),
+            leaves: BTreeSet::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            clock: 0,
+            next_event_id: 0,
+            events: Vec::new(),
+            hit_blocks: 0,
+            prompt_blocks: 0,
+        }
+    }
+
+    /// Queues a request.
+    pub fn submit(&mut self, r: EngineRequest) {
+        self.waiting.push_back(r);
+    }
+
+    /// Whether it has anything to do.
+    pub fn busy(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Requests waiting or running.
+    pub fn load(&self) -> usize {
+        self.waiting.len() + self.running.len()
+    }
+
+    /// KV events published since the last call.
+    pub fn take_events(&mut self) -> Vec<RouterEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn touch(&mut self, seq: u64) {
+        self.clock += 1;
+        let clock = self.clock;
+        if let Some(b) = self.blocks.get_mut(&seq) {
+            if b.refs == 0 && b.children == 0 {
+                self.leaves.remove(&(b.last_used, seq));
+            }
+            b.last_used = clock;
+            if b.refs == 0 && b.children == 0 {
+                self.leaves.insert((clock, seq));
+            }
+        }
+    }
+
+    fn set_refs(&mut self, seq: u64, delta: i32) {
+        let Some(b) = self.blocks.get_mut(&seq) else {
+            return;
+        };
+        let was_leaf = b.refs == 0 && b.children == 0;
+        b.refs = (b.refs as i32 + delta) as u32;
+        let is_leaf = b.refs == 0 && b.children == 0;
+        let key = (b.last_used, seq);
+        if was_leaf && !is_leaf {
+            self.leaves.remove(&key);
+        } else if !was_leaf && is_leaf {
+            self.leaves.insert(key);
+        }
+    }
+
+    fn evict_one(&mut self) -> Option<u64> {
+        let (stamp, seq) = *self.leaves.iter().next()?;
+        self.leaves.remove(&(stamp, seq));
+        // Every leaf is cached (the leaf set mirrors the block map).
+        let b = self.blocks.remove(&seq)?;
+        if let Some(p) = b.parent
+            && let Some(pb) = self.blocks.get_mut(&p)
+        {
+            pb.children -= 1;
+            if pb.children == 0 && pb.refs == 0 {
+                self.leaves.insert((pb.last_used, p));
+            }
+        }
+        Some(seq)
+    }
+
+    /// Moves waiting requests into the batch while their blocks fit.
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_running {
+            let Some(mut r) = self.waiting.pop_front() else {
+                return;
+            };
+            // Longest cached prefix.
+            let hit = r
+                .blocks
+                .iter()
+                .take_while(|(_, s)| self.blocks.contains_key(&s.0))
+                .count();
+            let need = r.blocks.len() - hit;
+            let free = self.cfg.capacity_blocks.saturating_sub(self.blocks.len());
+            let evictable = self.leaves.len();
+            if need > free + evictable && !self.running.is_empty() {
+                // Not enough room until running requests finish.
+                self.waiting.push_front(r);
+                return;
+            }
+            for (_, s) in &r.blocks[..hit] {
+                self.touch(s.0);
+                self.set_refs(s.0, 1);
+            }
+            let mut removed = Vec::new();
+            while self.blocks.len() + need > self.cfg.capacity_blocks {
+                match self.evict_one() {
+                    Some(seq) => removed.push(SequenceBlockHash(seq)),
+                    None => break,
+                }
+            }
+            if !removed.is_empty() {
+                let id = self.next_event_id;
+                self.next_event_id += 1;
+                self.events.push(RouterEvent::new(
+                    self.worker_id,
+                    KvCacheEvent::removed(id, 0, removed),
+                ));
+            }
+            self.hit_blocks += hit as u64;
+            self.prompt_blocks += r.blocks.len() as u64;
+            r.cached_blocks = hit;
+            r.prefilled = (hit as u32 * self.cfg.block_size).min(r.input_tokens);
+            r.admitted = true;
+            self.running.push(r);
+        }
+    }
+
+    /// Caches the request's new blocks (at prefill completion) and publishes them.
+    fn store(&mut self, idx: usize) {
+        let r = &self.running[idx];
+        let hit = r.cached_blocks;
+        let new: Vec<(LocalBlockHash, SequenceBlockHash)> = r.blocks[hit..].to_vec();
+        let mut parent = if hit > 0 {
+            Some(r.blocks[hit - 1].1.0)
+        } else {
+            None
+        };
+        let first_parent = parent;
+        let mut stored = Vec::new();
+        let mut removed = Vec::new();
+        // Blocks this request holds a reference on (a prefix of its blocks).
+        let mut held = hit;
+        for (l, s) in new {
+            if self.blocks.contains_key(&s.0) {
+                // Cached meanwhile by a sibling request: reuse it.
+                self.touch(s.0);
+                self.set_refs(s.0, 1);
+                parent = Some(s.0);
+                held += 1;
+                continue;
+            }
+            if self.blocks.len() >= self.cfg.capacity_blocks {
+                match self.evict_one() {
+                    Some(seq) => removed.push(SequenceBlockHash(seq)),
+                    // Full of blocks in use: the rest of the prompt is not cached.
+                    None => break,
+                }
+            }
+            self.clock += 1;
+            if let Some(p) = parent
+                && let Some(pb) = self.blocks.get_mut(&p)
+            {
+                if pb.children == 0 && pb.refs == 0 {
+                    self.leaves.remove(&(pb.last_used, p));
+                }
+                pb.children += 1;
+            }
+            self.blocks.insert(
+                s.0,
+                Block {
+                    parent,
+                    local: l.0,
+                    children: 0,
+                    refs: 1,
+                    last_used: self.clock,
+                },
+            );
+            stored.push((l, s));
+            parent = Some(s.0);
+            held += 1;
+        }
+        self.running[idx].cached_blocks = held;
+        if !removed.is_empty() {
+            let id = self.next_event_id;
+            self.next_event_id += 1;
+            self.events.push(RouterEvent::new(
+                self.worker_id,
+                KvCacheEvent::removed(id, 0, removed),
+            ));
+        }
+        if !stored.is_empty() {
+            // One stored event, under the parent of its first block.
+            let first = stored[0].1.0;
+            let p = self
+                .blocks
+                .get(&first)
+                .and_then(|b| b.parent)
+                .or(first_parent);
+            let id = self.next_event_id;
+            self.next_event_id += 1;
+            self.events.push(RouterEvent::new(
+                self.worker_id,
+                KvCacheEvent::stored(id, 0, p.map(SequenceBlockHash), stored),
+            ));
+        }
+    }
+
+    /// Runs one step; returns its duration (ms) and what it produced, or `None` when idle.
+    pub fn step(&mut self) -> Option<(f64, StepOutcome)> {
+        self.admit();
+        if self.running.is_empty() {
+            return None;
+        }
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut prefill_tokens = 0u32;
+        let mut kv_tokens = 0u64;
+        let mut out = StepOutcome::default();
+        // Decode first (one token each), then prefill chunks in arrival order.
+        let mut decoding = Vec::new();
+        let mut prefilling = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            kv_tokens += (r.prefilled + r.generated) as u64;
+            if r.prefilled >= r.input_tokens {
+                decoding.push(i);
+            } else {
+                prefilling.push(i);
+            }
+        }
+        budget = budget.saturating_sub(decoding.len() as u32);
+        let mut completed_prefill = Vec::new();
+        for i in prefilling {
+            if budget == 0 {
+                break;
+            }
+            let r = &mut self.running[i];
+            let chunk = (r.input_tokens - r.prefilled).min(budget);
+            r.prefilled += chunk;
+            budget -= chunk;
+            prefill_tokens += chunk;
+            if r.prefilled >= r.input_tokens {
+                completed_prefill.push(i);
+            }
+        }
+        let ms = self.cfg.step_ms(prefill_tokens, kv_tokens);
+        for &i in &completed_prefill {
+            self.store(i);
+            let r = &mut self.running[i];
+            r.generated = 1;
+            out.first_tokens.push(r.id);
+        }
+        for &i in &decoding {
+            let r = &mut self.running[i];
+            r.generated += 1;
+            out.tokens.push(r.id);
+        }
+        // Finished requests release their blocks.
+        let mut k = 0;
+        while k < self.running.len() {
+            let r = &self.running[k];
+            if r.prefilled >= r.input_tokens && r.generated >= r.output_tokens.max(1) {
+                let r = self.running.swap_remove(k);
+                for (_, s) in &r.blocks[..r.cached_blocks] {
+                    self.set_refs(s.0, -1);
+                }
+                out.finished.push(r.id);
+            } else {
+                k += 1;
+            }
+        }
+        Some((ms, out))
+    }
+
+    /// Blocks cached now.
+    pub fn cached_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The local hash of a cached block (for tests).
+    pub fn local_of(&self, seq: u64) -> Option<u64> {
+        self.blocks.get(&seq).map(|b| b.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvrouter_core::index::{Index, ReferenceIndex};
+
+    fn chain(ids: &[u64]) -> Vec<(LocalBlockHash, SequenceBlockHash)> {
+        let locals: Vec<LocalBlockHash> = ids.iter().map(|&i| LocalBlockHash(i)).collect();
+        locals
+            .iter()
+            .copied()
+            .zip(kvrouter_core::hash::sequence_hashes(&locals))
+            .collect()
+    }
+
+    #[test]
+    fn reuses_prefixes_evicts_leaves_and_publishes_exact_events() {
+        let cfg = EngineConfig {
+            block_size: 4,
+            capacity_blocks: 6,
+            max_batch_tokens: 100,
+            ..Default::default()
+        };
+        let mut e = Engine::new(1, cfg);
+        let mut index = ReferenceIndex::new();
+        let mut run = |e: &mut Engine, r: EngineRequest| {
+            e.submit(r);
+            while e.busy() {
+                e.step();
+            }
+            for ev in e.take_events() {
+                index.apply(ev).expect("the engine's events apply cleanly");
+            }
+        };
+        run(&mut e, EngineRequest::new(0, 16, 2, chain(&[1, 2, 3, 4])));
+        assert_eq!(e.cached_blocks(), 4);
+        run(&mut e, EngineRequest::new(1, 16, 2, chain(&[1, 2, 7, 8])));
+        assert_eq!(e.hit_blocks, 2);
+        // Capacity 6: [1,2,3,4] + [7,8] = 6; a third prompt evicts LRU leaves.
+        run(&mut e, EngineRequest::new(2, 12, 1, chain(&[9, 10, 11])));
+        assert!(e.cached_blocks() <= 6);
+        let q: Vec<LocalBlockHash> = [9, 10, 11].iter().map(|&i| LocalBlockHash(i)).collect();
+        assert_eq!(
+            index
+                .find_matches(&q)
+                .get(kvrouter_core::worker::WorkerDp::new(1, 0)),
+            3
+        );
+        assert_eq!(index.block_count(), e.cached_blocks());
+    }
+
+    #[test]
+    fn timing_model() {
+        let c = EngineConfig {
+            prefill_a: 1.0,
+            prefill_b: 2.0,
+            prefill_c: 3.0,
+            decode_base: 4.0,
+            decode_per_ktoken: 5.0,
+            speedup: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(c.step_ms(10, 2000), (3.0 + 20.0 + 100.0 + 4.0 + 10.0) / 2.0);
+        assert_eq!(c.step_ms(0, 0), 2.0);
+    }
+}

@@ -1,0 +1,18 @@
+//! The benchmark harness: mock engines serve a Mooncake-format trace, a router picks the
+//! worker of every request, and the same trace is replayed once per routing policy.
+//!
+//! Everything runs in one process, in **virtual time** (a discrete-event simulation): a
+//! one-hour trace replays in seconds, and two runs with the same seed give the same
+//! numbers. The router under test is the real code: the lock-free index fed by the
+//! engines' KV events, the slot manager, the cost function, the approximate-mode index.
+//! See `docs/HARNESS.md` for the models and how to read the report.
+
+pub mod engine;
+pub mod report;
+pub mod sim;
+pub mod trace;
+
+pub use engine::EngineConfig;
+pub use report::{PolicyReport, write_json, write_svg};
+pub use sim::{Ideals, Policy, SimConfig, simulate};
+pub use trace::{TraceRequest, ideal_hit_ratio, ideal_hit_ratio_trace_blocks, load_trace};

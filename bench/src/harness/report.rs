@@ -1,0 +1,250 @@
+//! Reports: per policy the TTFT, inter-token latency and end-to-end latency statistics, the
+//! throughput, the achieved prefix-hit ratio next to the trace's ideal, and each worker's
+//! share of requests — as a table, as JSON (the CLI contract's keys), and as an SVG plot of
+//! the TTFT CDF per policy.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::sim::Ideals;
+
+/// Mean and percentiles of one latency, ms.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Latency {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// Mean and p99 of a latency, ms.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct MeanP99 {
+    /// Mean.
+    pub mean: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// One policy's results. Field names are the JSON keys of the CLI contract.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    /// Policy name.
+    #[serde(skip)]
+    pub policy: String,
+    /// Time to first token, ms.
+    pub ttft_ms: Latency,
+    /// Mean inter-token latency per request, ms.
+    pub itl_ms: MeanP99,
+    /// End-to-end latency, ms.
+    pub e2e_ms: MeanP99,
+    /// Completed requests per second.
+    pub throughput_rps: f64,
+    /// Prompt blocks served from the cache / prompt blocks.
+    pub prefix_hit_ratio: f64,
+    /// The trace's infinite-cache ideal.
+    pub ideal_prefix_hit_ratio: f64,
+    /// What the cache capacity allows: one LRU cache of all workers' blocks, requests in
+    /// arrival order.
+    pub capacity_prefix_hit_ratio: f64,
+    /// Requests per worker.
+    pub requests_per_worker: Vec<u64>,
+    /// Requests completed.
+    pub completed: u64,
+    /// Sorted TTFTs, ms (for the plot).
+    #[serde(skip)]
+    pub ttfts: Vec<f64>,
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[(((v.len() - 1) as f64) * p).round() as usize]
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+impl PolicyReport {
+    /// Builds a report from raw samples.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        policy: &str,
+        ttft: Vec<f64>,
+        itl: Vec<f64>,
+        e2e: Vec<f64>,
+        completed: u64,
+        throughput_rps: f64,
+        prefix_hit_ratio: f64,
+        ideals: Ideals,
+        requests_per_worker: Vec<u64>,
+    ) -> Self {
+        let (ttft, itl, e2e) = (sorted(ttft), sorted(itl), sorted(e2e));
+        PolicyReport {
+            policy: policy.to_owned(),
+            ttft_ms: Latency {
+                mean: mean(&ttft),
+                p50: pct(&ttft, 0.5),
+                p90: pct(&ttft, 0.9),
+                p99: pct(&ttft, 0.99),
+            },
+            itl_ms: MeanP99 {
+                mean: mean(&itl),
+                p99: pct(&itl, 0.99),
+            },
+            e2e_ms: MeanP99 {
+                mean: mean(&e2e),
+                p99: pct(&e2e, 0.99),
+            },
+            throughput_rps,
+            prefix_hit_ratio,
+            ideal_prefix_hit_ratio: ideals.infinite,
+            capacity_prefix_hit_ratio: ideals.capacity,
+            requests_per_worker,
+            completed,
+            ttfts: ttft,
+        }
+    }
+
+    /// Busiest worker's share over the idlest's (∞ when one got nothing).
+    pub fn share_ratio(&self) -> f64 {
+        let max = self.requests_per_worker.iter().copied().max().unwrap_or(0) as f64;
+        let min = self.requests_per_worker.iter().copied().min().unwrap_or(0) as f64;
+        if min == 0.0 { f64::INFINITY } else { max / min }
+    }
+}
+
+/// The table printed on stdout.
+pub fn table(reports: &[PolicyReport]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>7} {:>7} {:>9}",
+        "policy",
+        "TTFT mean",
+        "p50",
+        "p90",
+        "p99",
+        "ITL mean",
+        "ITL p99",
+        "E2E mean",
+        "req/s",
+        "hit %",
+        "cap %",
+        "ideal %",
+        "max/min"
+    );
+    for r in reports {
+        let _ = writeln!(
+            s,
+            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>7.1} {:>7.1} {:>9.2}",
+            r.policy,
+            r.ttft_ms.mean,
+            r.ttft_ms.p50,
+            r.ttft_ms.p90,
+            r.ttft_ms.p99,
+            r.itl_ms.mean,
+            r.itl_ms.p99,
+            r.e2e_ms.mean,
+            r.throughput_rps,
+            r.prefix_hit_ratio * 100.0,
+            r.capacity_prefix_hit_ratio * 100.0,
+            r.ideal_prefix_hit_ratio * 100.0,
+            r.share_ratio(),
+        );
+    }
+    s
+}
+
+/// Writes `{policy: report}` as JSON.
+pub fn write_json(path: &Path, reports: &[PolicyReport]) -> anyhow::Result<()> {
+    let map: BTreeMap<&str, &PolicyReport> =
+        reports.iter().map(|r| (r.policy.as_str(), r)).collect();
+    std::fs::write(path, serde_json::to_vec_pretty(&map)?)?;
+    Ok(())
+}
+
+/// Writes the TTFT CDF of every policy as an SVG (log-scaled time axis), with plotters.
+pub fn write_svg(path: &Path, reports: &[PolicyReport], title: &str) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let positive = || {
+        reports
+            .iter()
+            .flat_map(|r| r.ttfts.iter().copied())
+            .filter(|v| *v > 0.0)
+    };
+    let lo = positive().fold(f64::INFINITY, f64::min);
+    let lo = if lo.is_finite() {
+        10f64.powf(lo.log10().floor())
+    } else {
+        1.0
+    };
+    let hi = 10f64
+        .powf(positive().fold(lo, f64::max).log10().ceil())
+        .max(lo * 10.0);
+    let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("plot {}: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d((lo..hi).log_scale(), 0f64..1f64)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("time to first token (ms, log scale)")
+        .y_desc("fraction of requests")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, r) in reports.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let n = r.ttfts.len().max(1) as f64;
+        let step = (r.ttfts.len() / 1000).max(1);
+        let points = r
+            .ttfts
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| k % step == 0 || *k + 1 == r.ttfts.len())
+            .map(|(k, v)| (v.max(lo), (k + 1) as f64 / n));
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(format!(
+                "{} (mean {:.2} s)",
+                r.policy,
+                r.ttft_ms.mean / 1000.0
+            ))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

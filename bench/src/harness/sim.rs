@@ -1,0 +1,524 @@
+//! The discrete-event simulation: arrivals from the trace (open loop: arrival times kept,
+//! scaled by `speed`), one mock engine per worker, and the router of one policy.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use kvrouter_core::hash::{
+    HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
+};
+use kvrouter_core::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TreeIndex};
+use kvrouter_core::policy::{Candidate, CostConfig, Herd, Rng, choose, score};
+use kvrouter_core::slots::Slots;
+use kvrouter_core::worker::WorkerDp;
+
+use super::engine::{Engine, EngineConfig, EngineRequest, StepOutcome};
+use super::report::PolicyReport;
+use super::trace::{TraceRequest, ideal_hit_ratio};
+
+/// The trace's achievable prefix-hit ratios, computed once per run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ideals {
+    /// Infinite cache.
+    pub infinite: f64,
+    /// One cache of all workers' capacity.
+    pub capacity: f64,
+}
+
+impl Ideals {
+    /// Both ideals for `trace` under `cfg`'s engines.
+    pub fn compute(trace: &[TraceRequest], cfg: &SimConfig) -> Self {
+        let bs = cfg.engine.block_size;
+        Ideals {
+            infinite: ideal_hit_ratio(trace, bs, usize::MAX),
+            capacity: ideal_hit_ratio(
+                trace,
+                bs,
+                cfg.engine.capacity_blocks.saturating_mul(cfg.workers),
+            ),
+        }
+    }
+}
+
+/// A routing policy under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Ours with default weights (Dynamo 1.6.1's formula and defaults), fed by KV events.
+    KvAware,
+    /// Ours with the herd-resistant option (power of two choices among the 3 cheapest).
+    KvAwareP2c,
+    /// Dynamo 1.6.1's plain formula and default weights. Our defaults are the same
+    /// formula, so this row matches `kv-aware` until our defaults diverge from Dynamo's;
+    /// it is kept as the fixed baseline.
+    Dynamo,
+    /// Request `i` to worker `i mod n`.
+    RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// Fewest active requests (as the router's slot manager sees them).
+    LeastLoaded,
+    /// The cost formula without KV events: the router records its own decisions (TTL).
+    Approximate,
+}
+
+impl Policy {
+    /// Every policy, in report order.
+    pub const ALL: [Policy; 7] = [
+        Policy::KvAware,
+        Policy::KvAwareP2c,
+        Policy::Dynamo,
+        Policy::Approximate,
+        Policy::LeastLoaded,
+        Policy::RoundRobin,
+        Policy::Random,
+    ];
+
+    /// The name `--policies` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::KvAware => "kv-aware",
+            Policy::KvAwareP2c => "kv-aware-p2c",
+            Policy::Dynamo => "dynamo",
+            Policy::RoundRobin => "round-robin",
+            Policy::Random => "random",
+            Policy::LeastLoaded => "least-loaded",
+            Policy::Approximate => "approximate",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(name: &str) -> Option<Policy> {
+        let name = name.trim();
+        Policy::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+/// Settings of a simulation.
+#[derive(Debug, Clone, Copy)]
+pub struct SimConfig {
+    /// Mock workers.
+    pub workers: usize,
+    /// Arrival-time scale: 2 replays twice as fast.
+    pub speed: f64,
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Engine model.
+    pub engine: EngineConfig,
+    /// Cost weights of our policies (`kv-aware`, `kv-aware-p2c`, `approximate`); `dynamo`
+    /// always runs Dynamo 1.6.1's defaults.
+    pub cost: CostConfig,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            workers: 8,
+            speed: 1.0,
+            seed: 42,
+            engine: EngineConfig::default(),
+            cost: CostConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Arrival(usize),
+    StepEnd(usize),
+}
+
+struct Record {
+    worker: usize,
+    arrival: f64,
+    first: Option<f64>,
+    last: f64,
+    finish: Option<f64>,
+    gaps: f64,
+    tokens: u32,
+    max_gap: f64,
+}
+
+struct Router {
+    policy: Policy,
+    cost: CostConfig,
+    index: TreeIndex,
+    approx: ApproxIndex,
+    slots: Slots,
+    rng: Rng,
+    next: usize,
+    workers: Vec<WorkerDp>,
+    block_size: u32,
+    scratch: OverlapScores,
+}
+
+impl Router {
+    fn route(
+        &mut self,
+        id: usize,
+        locals: &[LocalBlockHash],
+        seqs: &[u64],
+        tokens: u64,
+        now_ms: u64,
+    ) -> usize {
+        let n = self.workers.len();
+        let pick = match self.policy {
+            Policy::RoundRobin => {
+                self.next += 1;
+                (self.next - 1) % n
+            }
+            Policy::Random => self.rng.below(n),
+            Policy::LeastLoaded => {
+                let loads: Vec<u64> = self
+                    .workers
+                    .iter()
+                    .map(|&w| self.slots.load(w).active_requests)
+                    .collect();
+                let min = *loads.iter().min().unwrap_or(&0);
+                let ties: Vec<usize> = (0..n).filter(|&i| loads[i] == min).collect();
+                ties[self.rng.below(ties.len())]
+            }
+            Policy::KvAware | Policy::KvAwareP2c | Policy::Dynamo | Policy::Approximate => {
+                if self.policy == Policy::Approximate {
+                    self.approx
+                        .find_matches_into(locals, now_ms, &mut self.scratch);
+                } else {
+                    self.index.find_matches_into(locals, &mut self.scratch);
+                }
+                let potential = self.slots.potential_blocks_all(seqs);
+                let cands: Vec<Candidate> = self
+                    .workers
+                    .iter()
+                    .map(|&w| {
+                        let load = self.slots.load(w);
+                        Candidate {
+                            worker: w,
+                            active_prefill_tokens: load.active_prefill_tokens,
+                            active_decode_blocks: load.active_blocks,
+                            potential_decode_blocks: potential(w),
+                            device_overlap_blocks: self.scratch.get(w),
+                            ..Default::default()
+                        }
+                    })
+                    .collect();
+                let scored = score(&self.cost, tokens, self.block_size, &cands);
+                choose(&self.cost, &scored, &mut self.rng).unwrap_or(0)
+            }
+        };
+        let w = self.workers[pick];
+        let overlap = self.scratch.get(w) as u64;
+        let prefill = tokens.saturating_sub(overlap * self.block_size as u64);
+        let _ = self
+            .slots
+            .add(&id.to_string(), w, seqs.to_vec(), prefill, now_ms);
+        if self.policy == Policy::Approximate {
+            self.approx.record(w, locals, now_ms);
+        }
+        self.scratch.clear();
+        pick
+    }
+}
+
+/// Replays `trace` through `cfg.workers` mock engines routed by `policy`; `ideals` (from
+/// [`Ideals::compute`]) goes into the report. `progress` is called with the number of
+/// requests completed so far.
+pub fn simulate(
+    trace: &[TraceRequest],
+    policy: Policy,
+    cfg: &SimConfig,
+    ideals: &Ideals,
+    progress: impl FnMut(usize),
+) -> PolicyReport {
+    run(trace, policy, cfg, ideals, progress).0
+}
+
+/// [`simulate`], also returning the router and the engines as they ended (for tests).
+fn run(
+    trace: &[TraceRequest],
+    policy: Policy,
+    cfg: &SimConfig,
+    ideals: &Ideals,
+    mut progress: impl FnMut(usize),
+) -> (PolicyReport, Router, Vec<Engine>) {
+    let bs = cfg.engine.block_size;
+    let workers: Vec<WorkerDp> = (0..cfg.workers)
+        .map(|i| WorkerDp::new(i as u64 + 1, 0))
+        .collect();
+    let mut engines: Vec<Engine> = workers
+        .iter()
+        .map(|w| Engine::new(w.worker_id, cfg.engine))
+        .collect();
+    let mut router = Router {
+        policy,
+        cost: match policy {
+            Policy::Dynamo => CostConfig::default(),
+            Policy::KvAwareP2c => CostConfig {
+                herd: Herd::PowerOfTwo { k: 3 },
+                ..cfg.cost
+            },
+            _ => cfg.cost,
+        },
+        index: TreeIndex::new(1),
+        approx: ApproxIndex::new(ApproxConfig::default()),
+        slots: Slots::new(u64::MAX / 4),
+        rng: Rng::new(cfg.seed),
+        next: 0,
+        workers: workers.clone(),
+        block_size: bs,
+        scratch: OverlapScores::new(),
+    };
+    let mut heap: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let at = |ms: f64| (ms * 1000.0) as u64; // µs keys
+    for (i, r) in trace.iter().enumerate() {
+        heap.push(Reverse((
+            at(r.timestamp as f64 / cfg.speed),
+            seq,
+            Ev::Arrival(i),
+        )));
+        seq += 1;
+    }
+    let mut records: Vec<Option<Record>> = (0..trace.len()).map(|_| None).collect();
+    let mut stepping = vec![false; engines.len()];
+    let mut pending: Vec<Option<StepOutcome>> = (0..engines.len()).map(|_| None).collect();
+    let mut completed = 0usize;
+    let mut last_finish = 0f64;
+    while let Some(Reverse((t_us, _, ev))) = heap.pop() {
+        let now = t_us as f64 / 1000.0;
+        match ev {
+            Ev::Arrival(i) => {
+                let r = &trace[i];
+                let tokens = r.tokens();
+                let locals = local_block_hashes(&tokens, bs, &HashOptions::default());
+                let seqs: Vec<SequenceBlockHash> = sequence_hashes(&locals);
+                let seq_u64: Vec<u64> = seqs.iter().map(|s| s.0).collect();
+                let w = router.route(i, &locals, &seq_u64, r.input_length as u64, now as u64);
+                let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
+                    locals.into_iter().zip(seqs).collect();
+                engines[w].submit(EngineRequest::new(
+                    i,
+                    r.input_length,
+                    r.output_length.max(1),
+                    blocks,
+                ));
+                records[i] = Some(Record {
+                    worker: w,
+                    arrival: now,
+                    first: None,
+                    last: now,
+                    finish: None,
+                    gaps: 0.0,
+                    tokens: 0,
+                    max_gap: 0.0,
+                });
+                if !stepping[w] {
+                    stepping[w] = true;
+                    heap.push(Reverse((t_us, seq, Ev::StepEnd(w))));
+                    seq += 1;
+                }
+            }
+            Ev::StepEnd(w) => {
+                // Effects of the step that just ended.
+                if let Some(out) = pending[w].take() {
+                    for e in engines[w].take_events() {
+                        let _ = router.index.apply(e);
+                    }
+                    for id in out.first_tokens {
+                        let rec = records[id].as_mut().expect("routed");
+                        rec.first = Some(now);
+                        rec.last = now;
+                        rec.tokens = 1;
+                        let _ = router.slots.mark_prefill_done(&id.to_string(), now as u64);
+                    }
+                    for id in out.tokens {
+                        let rec = records[id].as_mut().expect("routed");
+                        let gap = now - rec.last;
+                        rec.gaps += gap;
+                        rec.max_gap = rec.max_gap.max(gap);
+                        rec.last = now;
+                        rec.tokens += 1;
+                    }
+                    for id in out.finished {
+                        let rec = records[id].as_mut().expect("routed");
+                        rec.finish = Some(now);
+                        last_finish = last_finish.max(now);
+                        let _ = router.slots.free(&id.to_string());
+                        completed += 1;
+                        if completed.is_multiple_of(256) {
+                            progress(completed);
+                        }
+                    }
+                }
+                match engines[w].step() {
+                    Some((ms, out)) => {
+                        pending[w] = Some(out);
+                        heap.push(Reverse((at(now + ms), seq, Ev::StepEnd(w))));
+                        seq += 1;
+                    }
+                    None => stepping[w] = false,
+                }
+            }
+        }
+    }
+    progress(completed);
+    let (hit, prompt): (u64, u64) = engines
+        .iter()
+        .fold((0, 0), |(h, p), e| (h + e.hit_blocks, p + e.prompt_blocks));
+    let first_arrival = trace
+        .first()
+        .map_or(0.0, |r| r.timestamp as f64 / cfg.speed);
+    let mut per_worker = vec![0u64; cfg.workers];
+    let mut ttft = Vec::new();
+    let mut itl = Vec::new();
+    let mut e2e = Vec::new();
+    for rec in records.iter().flatten() {
+        per_worker[rec.worker] += 1;
+        if let Some(f) = rec.first {
+            ttft.push(f - rec.arrival);
+        }
+        if rec.tokens > 1 {
+            itl.push(rec.gaps / (rec.tokens - 1) as f64);
+        }
+        if let Some(done) = rec.finish {
+            e2e.push(done - rec.arrival);
+        }
+    }
+    let span_s = ((last_finish - first_arrival) / 1000.0).max(1e-9);
+    let report = PolicyReport::new(
+        policy.name(),
+        ttft,
+        itl,
+        e2e,
+        completed as u64,
+        completed as f64 / span_s,
+        if prompt == 0 {
+            0.0
+        } else {
+            hit as f64 / prompt as f64
+        },
+        *ideals,
+        per_worker,
+    );
+    (report, router, engines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 7 conversations of 6 turns (7 is coprime with the 4 workers, so round-robin moves
+    /// each conversation): each turn's prompt extends the previous one.
+    fn conversations() -> Vec<TraceRequest> {
+        let mut out = Vec::new();
+        for turn in 0..6u64 {
+            for conv in 0..7u64 {
+                let hash_ids: Vec<u64> = (0..=turn * 2 + 1).map(|k| conv * 1000 + k).collect();
+                out.push(TraceRequest {
+                    timestamp: turn * 4000 + conv * 100,
+                    input_length: hash_ids.len() as u32 * 512,
+                    output_length: 20,
+                    hash_ids,
+                });
+            }
+        }
+        out
+    }
+
+    fn cfg() -> SimConfig {
+        SimConfig {
+            workers: 4,
+            engine: EngineConfig {
+                capacity_blocks: 4096,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_policy_completes_every_request_and_the_index_mirrors_the_engines() {
+        let trace = conversations();
+        let cfg = cfg();
+        let ideals = Ideals::compute(&trace, &cfg);
+        for policy in Policy::ALL {
+            let (report, router, engines) = run(&trace, policy, &cfg, &ideals, |_| {});
+            assert_eq!(report.completed, trace.len() as u64, "{}", policy.name());
+            assert_eq!(
+                report.requests_per_worker.iter().sum::<u64>(),
+                trace.len() as u64
+            );
+            assert_eq!(report.ttfts.len(), trace.len());
+            assert!(report.ttft_ms.p50 > 0.0 && report.ttft_ms.p50 <= report.ttft_ms.p99);
+            assert!(report.prefix_hit_ratio <= ideals.infinite + 1e-9);
+            // Every event reached the router: its index holds exactly the engines' blocks.
+            let cached: usize = engines.iter().map(Engine::cached_blocks).sum();
+            assert_eq!(router.index.block_count(), cached, "{}", policy.name());
+        }
+    }
+
+    #[test]
+    fn kv_aware_reuses_prefixes_that_round_robin_scatters() {
+        let trace = conversations();
+        let cfg = cfg();
+        let ideals = Ideals::compute(&trace, &cfg);
+        let kv = simulate(&trace, Policy::KvAware, &cfg, &ideals, |_| {});
+        let rr = simulate(&trace, Policy::RoundRobin, &cfg, &ideals, |_| {});
+        // Every later turn can reuse its conversation's previous prompt.
+        assert!(ideals.infinite > 0.5, "{ideals:?}");
+        assert!(
+            kv.prefix_hit_ratio > 0.9 * ideals.capacity,
+            "kv-aware {} vs {:?}",
+            kv.prefix_hit_ratio,
+            ideals
+        );
+        assert!(
+            kv.prefix_hit_ratio > rr.prefix_hit_ratio + 0.1,
+            "kv {} rr {}",
+            kv.prefix_hit_ratio,
+            rr.prefix_hit_ratio
+        );
+        assert!(kv.ttft_ms.mean < rr.ttft_ms.mean);
+    }
+
+    #[test]
+    fn same_seed_same_numbers() {
+        let trace = conversations();
+        let cfg = cfg();
+        let ideals = Ideals::compute(&trace, &cfg);
+        let a = simulate(&trace, Policy::Random, &cfg, &ideals, |_| {});
+        let b = simulate(&trace, Policy::Random, &cfg, &ideals, |_| {});
+        assert_eq!(a.ttfts, b.ttfts);
+        assert_eq!(a.requests_per_worker, b.requests_per_worker);
+    }
+
+    #[test]
+    fn speed_scales_arrivals() {
+        let trace = conversations();
+        let slow = SimConfig {
+            speed: 0.5,
+            ..cfg()
+        };
+        let fast = SimConfig {
+            speed: 8.0,
+            ..cfg()
+        };
+        let ideals = Ideals::compute(&trace, &slow);
+        let s = simulate(&trace, Policy::RoundRobin, &slow, &ideals, |_| {});
+        let f = simulate(&trace, Policy::RoundRobin, &fast, &ideals, |_| {});
+        // Compressed arrivals queue: the same work waits longer.
+        assert!(
+            f.ttft_ms.mean > s.ttft_ms.mean,
+            "fast {} slow {}",
+            f.ttft_ms.mean,
+            s.ttft_ms.mean
+        );
+        assert!(f.throughput_rps > s.throughput_rps);
+    }
+
+    #[test]
+    fn policy_names_round_trip() {
+        for p in Policy::ALL {
+            assert_eq!(Policy::parse(p.name()), Some(p));
+        }
+        assert_eq!(Policy::parse("fastest"), None);
+    }
+}

@@ -1,0 +1,157 @@
+//! `kvrouter bench`: the CLI contract (flags, the JSON keys per policy, the plot) on the
+//! bundled sample and on a trace file; bad usage exits 2 with a message.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+/// A fresh directory, removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("kvrouter-bench-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn kvrouter(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args(args)
+        .output()
+        .expect("run kvrouter")
+}
+
+#[test]
+fn bench_writes_the_contracted_json_and_plot() {
+    let dir = TempDir::new("contract");
+    let json = dir.path().join("out.json");
+    let plot = dir.path().join("ttft.svg");
+    let out = kvrouter(&[
+        "bench",
+        "--workers",
+        "4",
+        "--limit",
+        "120",
+        "--speed",
+        "2",
+        "--seed",
+        "7",
+        "--policies",
+        "kv-aware,round-robin,random,least-loaded",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for p in ["kv-aware", "round-robin", "random", "least-loaded"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(p)),
+            "{p} missing from\n{stdout}"
+        );
+    }
+    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let obj = v.as_object().unwrap();
+    assert_eq!(obj.len(), 4);
+    for (name, r) in obj {
+        for k in ["mean", "p50", "p90", "p99"] {
+            assert!(
+                r["ttft_ms"][k].as_f64().unwrap() > 0.0,
+                "{name} ttft_ms.{k}"
+            );
+        }
+        for k in ["mean", "p99"] {
+            assert!(r["itl_ms"][k].is_f64(), "{name} itl_ms.{k}");
+            assert!(r["e2e_ms"][k].as_f64().unwrap() > 0.0, "{name} e2e_ms.{k}");
+        }
+        assert!(r["throughput_rps"].as_f64().unwrap() > 0.0);
+        let hit = r["prefix_hit_ratio"].as_f64().unwrap();
+        let ideal = r["ideal_prefix_hit_ratio"].as_f64().unwrap();
+        assert!(
+            (0.0..=ideal + 1e-9).contains(&hit),
+            "{name}: {hit} > {ideal}"
+        );
+        let per_worker: Vec<u64> = r["requests_per_worker"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(per_worker.len(), 4);
+        assert_eq!(per_worker.iter().sum::<u64>(), 120);
+        assert_eq!(r["completed"].as_u64(), Some(120));
+    }
+    // Round-robin splits 120 requests evenly over 4 workers.
+    assert_eq!(
+        obj["round-robin"]["requests_per_worker"],
+        serde_json::json!([30, 30, 30, 30])
+    );
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("kv-aware") && svg.contains("<polyline"));
+}
+
+#[test]
+fn bench_reads_a_trace_file_and_rejects_bad_usage() {
+    let dir = TempDir::new("usage");
+    let trace = dir.path().join("t.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\":0,\"input_length\":1024,\"output_length\":4,\"hash_ids\":[1,2]}\n\
+         {\"timestamp\":10,\"input_length\":1024,\"output_length\":4,\"hash_ids\":[1,2]}\n",
+    )
+    .unwrap();
+    let out = kvrouter(&[
+        "bench",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--policies",
+        "kv-aware",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // The second request goes where the first one's blocks are: 50 % hits, the ideal.
+    let row = stdout.lines().find(|l| l.starts_with("kv-aware")).unwrap();
+    assert!(row.contains("50.0"), "{row}");
+
+    for bad in [
+        vec!["bench", "--policies", "fastest"],
+        vec!["bench", "--workers", "0"],
+        vec!["bench", "--block-size", "48"],
+        vec!["bench", "--trace", "/nonexistent/trace.jsonl"],
+    ] {
+        let out = kvrouter(&bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("error"),
+            "{bad:?}"
+        );
+    }
+    std::fs::write(&trace, "{\"timestamp\":0,\"input_length\":\n").unwrap();
+    let out = kvrouter(&["bench", "--trace", trace.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("trace line 1"));
+}
