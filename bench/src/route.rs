@@ -43,7 +43,8 @@ pub struct RouteReport {
     pub cached_blocks: u64,
 }
 
-fn request(
+/// One HTTP/1.1 request on a keep-alive connection; returns the response body.
+pub(crate) fn request(
     stream: &mut TcpStream,
     buf: &mut Vec<u8>,
     method: &str,

@@ -5,9 +5,12 @@
 //! one-hour trace replays in seconds, and two runs with the same seed give the same
 //! numbers. The router under test is the real code: the lock-free index fed by the
 //! engines' KV events, the slot manager, the cost function, the approximate-mode index.
-//! See `docs/HARNESS.md` for the models and how to read the report.
+//! [`net`] runs the same in wall-clock time with engine processes over NATS and a
+//! `kvrouter serve` process deciding. See `docs/HARNESS.md` for the models and how to read
+//! the report.
 
 pub mod engine;
+pub mod net;
 pub mod report;
 pub mod sim;
 pub mod trace;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use kvrouter_bench::harness::net::{EngineProcess, NetConfig, run_engine_process, run_networked};
 use kvrouter_bench::harness::{self, EngineConfig, Ideals, Policy, PolicyReport, SimConfig};
 use kvrouter_core::policy::CostConfig;
 
@@ -64,6 +65,14 @@ pub(crate) struct BenchArgs {
     /// Our policies' softmax temperature (0: lowest cost wins).
     #[arg(long, default_value_t = CostConfig::default().temperature)]
     temperature: f64,
+    /// Run in wall-clock time across processes: one `kvrouter bench-engine` process per
+    /// worker and a `kvrouter serve` router, over this NATS server (policies one after
+    /// another). Scale time with --speed and --engine-speedup together.
+    #[arg(long)]
+    nats: Option<String>,
+    /// With --nats: give up when no engine reports progress for this many seconds.
+    #[arg(long, default_value_t = 60)]
+    stall_timeout_secs: u64,
     /// Policies simulated at once (default: available cores).
     #[arg(long)]
     jobs: Option<usize>,
@@ -149,8 +158,19 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     );
     let started = Instant::now();
     let ideals = Ideals::compute(&trace, &cfg);
-    let reports = run_all(&trace, &policies, &cfg, &ideals, args.jobs);
-    eprintln!("simulated in {:.1} s", started.elapsed().as_secs_f64());
+    let reports = match &args.nats {
+        None => run_all(&trace, &policies, &cfg, &ideals, args.jobs),
+        Some(url) => {
+            let net = NetConfig {
+                nats: url.clone(),
+                exe: std::env::current_exe().context("locating the kvrouter executable")?,
+                sim: cfg,
+                stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
+            };
+            run_networked_all(&trace, &policies, &net, &ideals)?
+        }
+    };
+    eprintln!("finished in {:.1} s", started.elapsed().as_secs_f64());
     print!("{}", harness::report::table(&reports));
     if let Some(p) = &args.json {
         harness::write_json(p, &reports)?;
@@ -169,6 +189,69 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn bar_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix:>13} [{bar:30}] {pos}/{len} requests {elapsed}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ")
+}
+
+/// Runs every policy over NATS, one after another, each with a progress bar.
+fn run_networked_all(
+    trace: &[harness::TraceRequest],
+    policies: &[Policy],
+    net: &NetConfig,
+    ideals: &Ideals,
+) -> anyhow::Result<Vec<PolicyReport>> {
+    let mut out = Vec::new();
+    for &policy in policies {
+        let bar = ProgressBar::new(trace.len() as u64);
+        bar.set_style(bar_style());
+        bar.set_prefix(policy.name());
+        bar.enable_steady_tick(Duration::from_millis(200));
+        let report = run_networked(trace, policy, net, ideals, |done| {
+            bar.set_position(done as u64)
+        })?;
+        bar.finish();
+        out.push(report);
+    }
+    Ok(out)
+}
+
+/// Flags of the hidden `kvrouter bench-engine` (spawned by `kvrouter bench --nats`).
+#[derive(Debug, Args)]
+pub(crate) struct EngineArgs {
+    #[arg(long)]
+    nats: String,
+    #[arg(long)]
+    namespace: String,
+    #[arg(long)]
+    index: usize,
+    #[arg(long)]
+    block_size: u32,
+    #[arg(long)]
+    kv_blocks: usize,
+    #[arg(long)]
+    max_batch_tokens: u32,
+    #[arg(long)]
+    engine_speedup: f64,
+}
+
+pub(crate) fn run_engine(args: EngineArgs) -> anyhow::Result<ExitCode> {
+    run_engine_process(EngineProcess {
+        nats: args.nats,
+        namespace: args.namespace,
+        index: args.index,
+        engine: EngineConfig {
+            block_size: args.block_size,
+            capacity_blocks: args.kv_blocks,
+            max_batch_tokens: args.max_batch_tokens,
+            speedup: args.engine_speedup,
+            ..EngineConfig::default()
+        },
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Simulates every policy, `jobs` at a time, each with a progress bar (drawn only on a
 /// terminal); returns the reports in `policies` order.
 fn run_all(
@@ -182,10 +265,7 @@ fn run_all(
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .clamp(1, policies.len().max(1));
     let bars = MultiProgress::new();
-    let style =
-        ProgressStyle::with_template("{prefix:>13} [{bar:30}] {pos}/{len} requests {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> ");
+    let style = bar_style();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut slots: Vec<Option<PolicyReport>> = policies.iter().map(|_| None).collect();
     let results = std::sync::Mutex::new(&mut slots);

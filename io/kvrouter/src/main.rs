@@ -23,6 +23,9 @@ struct Cli {
 enum Command {
     /// Benchmark the routing policies: mock engines serve a Mooncake trace once per policy.
     Bench(Box<bench::BenchArgs>),
+    /// One mock engine of `kvrouter bench --nats` (spawned by it).
+    #[command(hide = true)]
+    BenchEngine(bench::EngineArgs),
     /// Stream a replay log of index operations through an index and check every answer.
     Replay(replay::ReplayArgs),
     /// Run the router: ingest KV events from NATS and serve routing decisions over HTTP.
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(args) => bench::run(*args),
+        Command::BenchEngine(args) => bench::run_engine(args),
         Command::Replay(args) => replay::run(args),
         Command::Serve(args) => serve::run(*args),
     };

@@ -155,3 +155,92 @@ fn bench_reads_a_trace_file_and_rejects_bad_usage() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("trace line 1"));
 }
+
+/// Processes whose command line contains `needle` (from /proc).
+fn processes_with(needle: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .filter(|c| {
+            String::from_utf8_lossy(c)
+                .replace('\0', " ")
+                .contains(needle)
+        })
+        .count()
+}
+
+#[test]
+fn bench_over_nats_runs_engine_processes_and_the_real_router() {
+    let nats = kvrouter_tests::NatsServer::start();
+    let dir = TempDir::new("nats");
+    // 3 conversations of 4 turns; each turn extends the previous prompt by 2 blocks.
+    let mut lines = String::new();
+    for turn in 0..4u64 {
+        for conv in 0..3u64 {
+            let ids: Vec<String> = (0..=turn * 2 + 1)
+                .map(|k| (conv * 100 + k).to_string())
+                .collect();
+            lines += &format!(
+                "{{\"timestamp\":{},\"input_length\":{},\"output_length\":8,\"hash_ids\":[{}]}}\n",
+                turn * 500 + conv * 60,
+                ids.len() * 512,
+                ids.join(",")
+            );
+        }
+    }
+    let trace = dir.path().join("conv.jsonl");
+    std::fs::write(&trace, lines).unwrap();
+    let json = dir.path().join("net.json");
+    let url = nats.url();
+    let out = kvrouter(&[
+        "bench",
+        "--nats",
+        &url,
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--engine-speedup",
+        "20",
+        "--policies",
+        "kv-aware,round-robin",
+        "--json",
+        json.to_str().unwrap(),
+        "--stall-timeout-secs",
+        "20",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    for p in ["kv-aware", "round-robin"] {
+        assert_eq!(v[p]["completed"].as_u64(), Some(12), "{p}: {v}");
+        let per: u64 = v[p]["requests_per_worker"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .sum();
+        assert_eq!(per, 12);
+        assert!(v[p]["ttft_ms"]["p50"].as_f64().unwrap() > 0.0);
+    }
+    // The router saw the engines' KV events: every later turn found its conversation's
+    // cache (ideal: 9 of 12 requests hit), which round-robin over 2 workers cannot do for
+    // 3 conversations.
+    let kv = v["kv-aware"]["prefix_hit_ratio"].as_f64().unwrap();
+    let rr = v["round-robin"]["prefix_hit_ratio"].as_f64().unwrap();
+    let ideal = v["kv-aware"]["ideal_prefix_hit_ratio"].as_f64().unwrap();
+    assert!(kv > 0.9 * ideal, "kv-aware {kv}, ideal {ideal}");
+    assert!(kv > rr, "kv-aware {kv}, round-robin {rr}");
+    // No engine or router process outlives the run.
+    let started = std::time::Instant::now();
+    while processes_with(&url) > 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "child processes left behind"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

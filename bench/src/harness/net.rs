@@ -1,0 +1,675 @@
+//! The networked mode (`kvrouter bench --nats URL`): the same trace and mock engines, but in
+//! wall-clock time and across processes. Each engine is its own process (`kvrouter
+//! bench-engine`) that takes jobs over NATS, publishes its KV events through the worker
+//! library (`KvPublisher`, Dynamo's wire format) and reports first tokens and completions
+//! over NATS. KV-aware policies are decided by a real `kvrouter serve` process over HTTP,
+//! which ingests those events; the cache-blind policies are decided by the load generator.
+//!
+//! Subjects, under a namespace unique to each policy run:
+//!
+//! | subject | from → to | payload |
+//! |---|---|---|
+//! | `kvbench.{ns}.engine.{i}` | load generator → engine `i` | [`Job`] (JSON) |
+//! | `kvbench.{ns}.progress` | engines → load generator | [`Progress`] (JSON) |
+//! | `namespace.{ns}.component.backend.endpoint.generate.kv-events` | engines → router | Dynamo's KV events |
+//!
+//! Engine processes exit when their stdin closes, so none outlives the load generator.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvrouter_core::codec::Subjects;
+use kvrouter_core::hash::{
+    HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
+};
+use kvrouter_core::policy::Rng;
+use kvrouter_io::nats::{Client, Options};
+use kvrouter_io::worker::{KvPublisher, PublisherOptions};
+use serde::{Deserialize, Serialize};
+
+use super::engine::{Engine, EngineConfig, EngineRequest};
+use super::report::PolicyReport;
+use super::sim::{Ideals, Policy, SimConfig};
+use super::trace::TraceRequest;
+
+/// One request for an engine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Job {
+    /// Request index in the trace.
+    pub id: usize,
+    /// Prompt tokens.
+    pub input_length: u32,
+    /// Tokens to generate.
+    pub output_length: u32,
+    /// The trace's 512-token block ids (the engine derives tokens and hashes).
+    pub hash_ids: Vec<u64>,
+}
+
+/// What an engine reports after a step (or once, when it is ready).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Progress {
+    /// Engine index.
+    pub w: usize,
+    /// Set once, when the engine is subscribed and announced.
+    #[serde(default)]
+    pub ready: bool,
+    /// Requests that produced their first token in this step.
+    #[serde(default)]
+    pub first: Vec<usize>,
+    /// Requests that finished: (id, mean inter-token gap in ms, tokens generated).
+    #[serde(default)]
+    pub done: Vec<(usize, f64, u32)>,
+    /// Prompt blocks served from the cache so far.
+    #[serde(default)]
+    pub hit: u64,
+    /// Prompt blocks so far.
+    #[serde(default)]
+    pub prompt: u64,
+}
+
+fn job_subject(ns: &str, w: usize) -> String {
+    format!("kvbench.{ns}.engine.{w}")
+}
+
+fn progress_subject(ns: &str) -> String {
+    format!("kvbench.{ns}.progress")
+}
+
+fn subjects(ns: &str) -> Subjects {
+    Subjects {
+        namespace: ns.to_owned(),
+        ..Subjects::default()
+    }
+}
+
+/// Settings of one engine process.
+#[derive(Debug, Clone)]
+pub struct EngineProcess {
+    /// NATS server URL.
+    pub nats: String,
+    /// Namespace of the run.
+    pub namespace: String,
+    /// Engine index (worker id = index + 1).
+    pub index: usize,
+    /// Engine model.
+    pub engine: EngineConfig,
+}
+
+/// Runs one engine until its stdin closes (or the NATS connection is lost for good).
+pub fn run_engine_process(p: EngineProcess) -> anyhow::Result<()> {
+    // The parent closes our stdin when it is done or gone.
+    std::thread::spawn(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        std::process::exit(0);
+    });
+    let handle = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .name("kvbench-engine")
+        .io_memory(512 << 10)
+        .spawn(move || async move { engine_loop(p).await })
+        .map_err(|e| anyhow::anyhow!("engine executor: {e}"))?;
+    handle
+        .join()
+        .map_err(|e| anyhow::anyhow!("engine executor: {e}"))?
+}
+
+fn decode_job(payload: &[u8], block_size: u32) -> anyhow::Result<EngineRequest> {
+    let job: Job = serde_json::from_slice(payload).context("malformed job")?;
+    let r = TraceRequest {
+        timestamp: 0,
+        input_length: job.input_length,
+        output_length: job.output_length,
+        hash_ids: job.hash_ids,
+    };
+    let locals = local_block_hashes(&r.tokens(), block_size, &HashOptions::default());
+    let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> = locals
+        .iter()
+        .copied()
+        .zip(sequence_hashes(&locals))
+        .collect();
+    Ok(EngineRequest::new(
+        job.id,
+        job.input_length,
+        job.output_length.max(1),
+        blocks,
+    ))
+}
+
+async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
+    let client = Client::connect(Options {
+        servers: vec![p.nats.clone()],
+        name: format!("kvbench-engine-{}", p.index),
+        ..Options::default()
+    })
+    .await?;
+    let jobs = client.subscribe(&job_subject(&p.namespace, p.index), None)?;
+    let worker_id = p.index as u64 + 1;
+    let publisher = KvPublisher::start(
+        client.clone(),
+        PublisherOptions {
+            subjects: subjects(&p.namespace),
+            ..PublisherOptions::new(worker_id)
+        },
+    )
+    .await?;
+    let progress = progress_subject(&p.namespace);
+    let ready = Progress {
+        w: p.index,
+        ready: true,
+        ..Progress::default()
+    };
+    client
+        .publish(&progress, &serde_json::to_vec(&ready)?)
+        .await?;
+    client.flush(Duration::from_secs(5)).await?;
+    let mut engine = Engine::new(worker_id, p.engine);
+    // Per running request: time of its latest token, sum of gaps, tokens.
+    let mut tokens: HashMap<usize, (Instant, f64, u32)> = HashMap::new();
+    let mut bad_jobs = 0u64;
+    let mut submit =
+        |engine: &mut Engine, payload: &[u8]| match decode_job(payload, p.engine.block_size) {
+            Ok(r) => engine.submit(r),
+            Err(e) => {
+                bad_jobs += 1;
+                tracing::warn!(error = %e, bad_jobs, "bench engine: job dropped");
+            }
+        };
+    loop {
+        while let Some(m) = jobs.try_next() {
+            submit(&mut engine, &m.payload);
+        }
+        if !engine.busy() {
+            match jobs.next().await {
+                Some(m) => submit(&mut engine, &m.payload),
+                None => return Ok(()),
+            }
+            continue;
+        }
+        let Some((ms, out)) = engine.step() else {
+            continue;
+        };
+        glommio::timer::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+        for e in engine.take_events() {
+            publisher
+                .publish(e.event.dp_rank, vec![e.event.data])
+                .await?;
+        }
+        let now = Instant::now();
+        let mut report = Progress {
+            w: p.index,
+            hit: engine.hit_blocks,
+            prompt: engine.prompt_blocks,
+            ..Progress::default()
+        };
+        for id in out.first_tokens {
+            tokens.insert(id, (now, 0.0, 1));
+            report.first.push(id);
+        }
+        for id in out.tokens {
+            if let Some(t) = tokens.get_mut(&id) {
+                t.1 += now.duration_since(t.0).as_secs_f64() * 1000.0;
+                t.0 = now;
+                t.2 += 1;
+            }
+        }
+        for id in out.finished {
+            let (_, gaps, n) = tokens.remove(&id).unwrap_or((now, 0.0, 1));
+            report
+                .done
+                .push((id, if n > 1 { gaps / (n - 1) as f64 } else { 0.0 }, n));
+        }
+        if !report.first.is_empty() || !report.done.is_empty() {
+            client
+                .publish(&progress, &serde_json::to_vec(&report)?)
+                .await?;
+        }
+    }
+}
+
+/// Settings of a networked run.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// NATS server URL.
+    pub nats: String,
+    /// The `kvrouter` executable (engines and the router are spawned from it).
+    pub exe: PathBuf,
+    /// Workers, speed, seed, engine model and cost weights.
+    pub sim: SimConfig,
+    /// Give up when no engine reports anything for this long while requests are pending.
+    pub stall_timeout: Duration,
+}
+
+/// Kills a child process when dropped.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A keep-alive HTTP connection to the router.
+struct RouterApi {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl RouterApi {
+    fn call(&mut self, method: &str, path: &str, body: &str) -> anyhow::Result<Vec<u8>> {
+        crate::route::request(&mut self.stream, &mut self.buf, method, path, body)
+            .with_context(|| format!("router {method} {path}"))
+    }
+}
+
+fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
+    let workers: Vec<String> = (1..=cfg.sim.workers).map(|w| w.to_string()).collect();
+    let mut a: Vec<String> = [
+        "serve",
+        "--nats",
+        &cfg.nats,
+        "--listen",
+        "127.0.0.1:0",
+        "--namespace",
+        ns,
+        "--block-size",
+        &cfg.sim.engine.block_size.to_string(),
+        "--workers",
+        &workers.join(","),
+        "--seed",
+        &cfg.sim.seed.to_string(),
+        "--replica-sync",
+        "false",
+        "--shards",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if policy != Policy::Dynamo {
+        let c = &cfg.sim.cost;
+        a.extend([
+            "--overlap-score-credit".to_owned(),
+            c.overlap_score_credit.to_string(),
+            "--prefill-load-scale".to_owned(),
+            c.prefill_load_scale.to_string(),
+            "--temperature".to_owned(),
+            c.temperature.to_string(),
+        ]);
+    }
+    match policy {
+        Policy::KvAwareP2c => a.extend(["--herd-k".to_owned(), "3".to_owned()]),
+        Policy::Approximate => a.extend(["--kv-events".to_owned(), "false".to_owned()]),
+        _ => {}
+    }
+    a
+}
+
+fn spawn_router(cfg: &NetConfig, ns: &str, policy: Policy) -> anyhow::Result<(Reaped, RouterApi)> {
+    let mut child = Command::new(&cfg.exe)
+        .args(router_args(cfg, ns, policy))
+        .env(
+            "KVROUTER_LOG",
+            std::env::var("KVROUTER_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting kvrouter serve")?;
+    let stdout = child.stdout.take().context("router stdout")?;
+    let child = Reaped(child);
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .context("router banner")?;
+    let Some(addr) = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .filter(|a| !a.is_empty() && line.contains("http://"))
+    else {
+        bail!("kvrouter serve did not start: {line:?}");
+    };
+    let stream =
+        TcpStream::connect(addr).with_context(|| format!("connecting to the router at {addr}"))?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    Ok((
+        child,
+        RouterApi {
+            stream,
+            buf: Vec::new(),
+        },
+    ))
+}
+
+fn spawn_engine(cfg: &NetConfig, ns: &str, index: usize) -> anyhow::Result<Reaped> {
+    let e = &cfg.sim.engine;
+    let child = Command::new(&cfg.exe)
+        .args([
+            "bench-engine",
+            "--nats",
+            &cfg.nats,
+            "--namespace",
+            ns,
+            "--index",
+            &index.to_string(),
+            "--block-size",
+            &e.block_size.to_string(),
+            "--kv-blocks",
+            &e.capacity_blocks.to_string(),
+            "--max-batch-tokens",
+            &e.max_batch_tokens.to_string(),
+            "--engine-speedup",
+            &e.speedup.to_string(),
+        ])
+        .env(
+            "KVROUTER_LOG",
+            std::env::var("KVROUTER_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting a bench engine")?;
+    Ok(Reaped(child))
+}
+
+/// The load generator's NATS side, on its own glommio executor: publishes what it is given
+/// and forwards every progress message.
+struct NatsSide {
+    publish: flume::Sender<(String, Vec<u8>)>,
+    progress: flume::Receiver<Vec<u8>>,
+    thread: Option<glommio::ExecutorJoinHandle<()>>,
+}
+
+impl NatsSide {
+    fn start(url: &str, ns: &str) -> anyhow::Result<Self> {
+        let (publish, publish_rx) = flume::unbounded::<(String, Vec<u8>)>();
+        let (progress_tx, progress) = flume::unbounded::<Vec<u8>>();
+        let (up_tx, up_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+        let (url, subject) = (url.to_owned(), progress_subject(ns));
+        let thread = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .name("kvbench-nats")
+            .io_memory(512 << 10)
+            .spawn(move || async move {
+                let client = match Client::connect(Options {
+                    servers: vec![url],
+                    name: "kvbench-loadgen".into(),
+                    ..Options::default()
+                })
+                .await
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let _ = up_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                let sub = match client.subscribe(&subject, None) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = up_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                if let Err(e) = client.flush(Duration::from_secs(5)).await {
+                    let _ = up_tx.send(Err(e.to_string()));
+                    return;
+                }
+                let _ = up_tx.send(Ok(()));
+                glommio::spawn_local(async move {
+                    while let Some(m) = sub.next().await {
+                        if progress_tx.send(m.payload).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .detach();
+                while let Ok((subject, payload)) = publish_rx.recv_async().await {
+                    if let Err(e) = client.publish(&subject, &payload).await {
+                        tracing::warn!(error = %e, "bench: cannot publish a job");
+                    }
+                }
+                let _ = client.flush(Duration::from_secs(2)).await;
+                client.close();
+            })
+            .map_err(|e| anyhow::anyhow!("load generator executor: {e}"))?;
+        up_rx
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| anyhow::anyhow!("no NATS connection within 10 s"))?
+            .map_err(|e| anyhow::anyhow!("NATS {e}"))?;
+        Ok(NatsSide {
+            publish,
+            progress,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for NatsSide {
+    fn drop(&mut self) {
+        let (tx, _) = flume::unbounded();
+        drop(std::mem::replace(&mut self.publish, tx));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct RouteAnswer {
+    worker_id: u64,
+}
+
+/// Replays `trace` in wall-clock time through engine processes and (for KV-aware policies)
+/// a router process; see the [module docs](self).
+pub fn run_networked(
+    trace: &[TraceRequest],
+    policy: Policy,
+    cfg: &NetConfig,
+    ideals: &Ideals,
+    mut progress: impl FnMut(usize),
+) -> anyhow::Result<PolicyReport> {
+    let n = cfg.sim.workers;
+    let ns = format!(
+        "kvbench{}{}",
+        std::process::id(),
+        policy.name().replace('-', "")
+    );
+    let nats = NatsSide::start(&cfg.nats, &ns)?;
+    let mut engines = Vec::with_capacity(n);
+    for i in 0..n {
+        engines.push(spawn_engine(cfg, &ns, i)?);
+    }
+    let mut ready = vec![false; n];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ready.iter().any(|r| !r) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let m = nats
+            .progress
+            .recv_timeout(left)
+            .map_err(|_| anyhow::anyhow!("engines not ready within 30 s"))?;
+        if let Ok(p) = serde_json::from_slice::<Progress>(&m)
+            && p.ready
+            && p.w < n
+        {
+            ready[p.w] = true;
+        }
+    }
+    let uses_router = matches!(
+        policy,
+        Policy::KvAware | Policy::KvAwareP2c | Policy::Dynamo | Policy::Approximate
+    );
+    let mut router = if uses_router {
+        Some(spawn_router(cfg, &ns, policy)?)
+    } else {
+        None
+    };
+
+    struct Rec {
+        worker: usize,
+        arrival: f64,
+        first: Option<f64>,
+        done: Option<f64>,
+        itl: Option<f64>,
+    }
+    let mut recs: Vec<Option<Rec>> = (0..trace.len()).map(|_| None).collect();
+    let mut in_flight = vec![0u64; n];
+    let mut rng = Rng::new(cfg.sim.seed);
+    let mut rr = 0usize;
+    let mut hits = vec![(0u64, 0u64); n];
+    let (mut completed, mut next) = (0usize, 0usize);
+    let t0 = trace.first().map_or(0, |r| r.timestamp) as f64;
+    let arrival = |i: usize| (trace[i].timestamp as f64 - t0) / cfg.sim.speed;
+    let start = Instant::now();
+    let now_ms = || start.elapsed().as_secs_f64() * 1000.0;
+    let mut last_news = Instant::now();
+    while completed < trace.len() {
+        let now = now_ms();
+        if next < trace.len() && arrival(next) <= now {
+            let i = next;
+            next += 1;
+            let r = &trace[i];
+            let w = match (&mut router, policy) {
+                (Some((_, api)), _) => {
+                    let body = serde_json::json!({ "token_ids": r.tokens(), "request_id": format!("r{i}") }).to_string();
+                    let answer: RouteAnswer =
+                        serde_json::from_slice(&api.call("POST", "/v1/route", &body)?)
+                            .context("router answer")?;
+                    (answer.worker_id as usize)
+                        .checked_sub(1)
+                        .filter(|&w| w < n)
+                        .with_context(|| {
+                            format!("router chose unknown worker {}", answer.worker_id)
+                        })?
+                }
+                (None, Policy::RoundRobin) => {
+                    rr += 1;
+                    (rr - 1) % n
+                }
+                (None, Policy::Random) => rng.below(n),
+                (None, _) => {
+                    let min = *in_flight.iter().min().unwrap_or(&0);
+                    let ties: Vec<usize> = (0..n).filter(|&k| in_flight[k] == min).collect();
+                    ties[rng.below(ties.len())]
+                }
+            };
+            in_flight[w] += 1;
+            recs[i] = Some(Rec {
+                worker: w,
+                arrival: arrival(i),
+                first: None,
+                done: None,
+                itl: None,
+            });
+            let job = Job {
+                id: i,
+                input_length: r.input_length,
+                output_length: r.output_length,
+                hash_ids: r.hash_ids.clone(),
+            };
+            nats.publish
+                .send((job_subject(&ns, w), serde_json::to_vec(&job)?))
+                .map_err(|_| anyhow::anyhow!("NATS side stopped"))?;
+            continue;
+        }
+        let wait = if next < trace.len() {
+            (arrival(next) - now).max(0.0)
+        } else {
+            250.0
+        };
+        match nats
+            .progress
+            .recv_timeout(Duration::from_secs_f64(wait / 1000.0))
+        {
+            Ok(m) => {
+                let Ok(p) = serde_json::from_slice::<Progress>(&m) else {
+                    tracing::warn!("bench: malformed progress message dropped");
+                    continue;
+                };
+                last_news = Instant::now();
+                let at = now_ms();
+                if p.w < n {
+                    hits[p.w] = (p.hit, p.prompt);
+                }
+                for id in p.first {
+                    if let Some(Some(rec)) = recs.get_mut(id) {
+                        rec.first = Some(at);
+                        if let Some((_, api)) = &mut router {
+                            api.call("POST", &format!("/v1/requests/r{id}/first_token"), "")?;
+                        }
+                    }
+                }
+                for (id, itl, tokens) in p.done {
+                    if let Some(Some(rec)) = recs.get_mut(id)
+                        && rec.done.is_none()
+                    {
+                        rec.done = Some(at);
+                        rec.itl = (tokens > 1).then_some(itl);
+                        in_flight[rec.worker] = in_flight[rec.worker].saturating_sub(1);
+                        completed += 1;
+                        if completed.is_multiple_of(16) {
+                            progress(completed);
+                        }
+                        if let Some((_, api)) = &mut router {
+                            api.call("POST", &format!("/v1/requests/r{id}/free"), "")?;
+                        }
+                    }
+                }
+            }
+            Err(flume::RecvTimeoutError::Timeout) => {
+                if next >= trace.len() && last_news.elapsed() > cfg.stall_timeout {
+                    bail!(
+                        "{}: no engine progress for {:?} with {} requests pending",
+                        policy.name(),
+                        cfg.stall_timeout,
+                        trace.len() - completed
+                    );
+                }
+            }
+            Err(flume::RecvTimeoutError::Disconnected) => bail!("NATS side stopped"),
+        }
+    }
+    progress(completed);
+    let span_s = (now_ms() / 1000.0).max(1e-9);
+    drop(router);
+    drop(engines);
+    drop(nats);
+    let mut per_worker = vec![0u64; n];
+    let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
+    for rec in recs.iter().flatten() {
+        per_worker[rec.worker] += 1;
+        if let Some(f) = rec.first {
+            ttft.push(f - rec.arrival);
+        }
+        if let Some(x) = rec.itl {
+            itl.push(x);
+        }
+        if let Some(d) = rec.done {
+            e2e.push(d - rec.arrival);
+        }
+    }
+    let (hit, prompt) = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
+    Ok(PolicyReport::new(
+        policy.name(),
+        ttft,
+        itl,
+        e2e,
+        completed as u64,
+        completed as f64 / span_s,
+        if prompt == 0 {
+            0.0
+        } else {
+            hit as f64 / prompt as f64
+        },
+        *ideals,
+        per_worker,
+    ))
+}
