@@ -12,6 +12,8 @@
 use std::collections::HashMap;
 
 use crate::hash::MixBuildHasher;
+use crate::index::OverlapScores;
+use crate::policy::Candidate;
 use crate::worker::{WorkerDp, WorkerId};
 
 type Map<K, V> = HashMap<K, V, MixBuildHasher>;
@@ -195,6 +197,32 @@ impl Slots {
         active.map_or(0, |w| w.blocks.len() as u64) + new.len() as u64
     }
 
+    /// The cost function's view of each of `workers` for a request whose sequence hashes
+    /// are `blocks`: loads and potential decode blocks from here, device overlaps from
+    /// `overlaps`.
+    pub fn candidates(
+        &self,
+        workers: &[WorkerDp],
+        blocks: &[u64],
+        overlaps: &OverlapScores,
+    ) -> Vec<Candidate> {
+        let potential = self.potential_blocks_all(blocks);
+        workers
+            .iter()
+            .map(|&w| {
+                let load = self.load(w);
+                Candidate {
+                    worker: w,
+                    active_prefill_tokens: load.active_prefill_tokens,
+                    active_decode_blocks: load.active_blocks,
+                    potential_decode_blocks: potential(w),
+                    device_overlap_blocks: overlaps.get(w),
+                    ..Default::default()
+                }
+            })
+            .collect()
+    }
+
     /// [`Self::potential_blocks`] for every worker at once: the request's blocks are
     /// deduplicated once and checked only against workers that have active blocks (idle
     /// workers simply add them all). Returns a function of the worker.
@@ -238,6 +266,35 @@ mod tests {
     use super::*;
 
     const A: WorkerDp = WorkerDp::new(1, 0);
+
+    #[test]
+    fn candidates_combine_loads_and_overlaps() {
+        let b = WorkerDp::new(2, 0);
+        let mut s = Slots::new(1000);
+        s.add("r1", A, vec![1, 2, 3], 300, 0).unwrap();
+        let mut overlaps = OverlapScores::new();
+        overlaps.push(b, 2);
+        overlaps.finish();
+        let c = s.candidates(&[A, b], &[1, 2, 7], &overlaps);
+        assert_eq!(c.len(), 2);
+        assert_eq!(
+            (
+                c[0].worker,
+                c[0].active_prefill_tokens,
+                c[0].active_decode_blocks
+            ),
+            (A, 300, 3)
+        );
+        // A holds 1 and 2 already: only 7 is new; B is idle and takes all three.
+        assert_eq!(
+            (c[0].potential_decode_blocks, c[1].potential_decode_blocks),
+            (4, 3)
+        );
+        assert_eq!(
+            (c[0].device_overlap_blocks, c[1].device_overlap_blocks),
+            (0, 2)
+        );
+    }
 
     #[test]
     fn shared_blocks_count_once_and_loads_move() {

@@ -29,7 +29,7 @@ use kvrouter_core::codec::replica::{
 use kvrouter_core::codec::{Envelope, Subjects, TOPIC_ACTIVE_SEQUENCES};
 use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes, sequence_hashes};
 use kvrouter_core::index::{ApproxConfig, ApproxIndex, OverlapScores};
-use kvrouter_core::policy::{Candidate, CostConfig, Rng, choose, score};
+use kvrouter_core::policy::{CostConfig, Rng, choose, score};
 use kvrouter_core::slots::Slots;
 use kvrouter_core::worker::{WorkerDp, WorkerId};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -250,23 +250,7 @@ impl State {
             self.scratch = overlaps;
             return Response::error(503, "no workers known yet");
         }
-        let candidates: Vec<Candidate> = {
-            let potential = self.slots.potential_blocks_all(&seqs);
-            workers
-                .iter()
-                .map(|&w| {
-                    let load = self.slots.load(w);
-                    Candidate {
-                        worker: w,
-                        active_prefill_tokens: load.active_prefill_tokens,
-                        active_decode_blocks: load.active_blocks,
-                        potential_decode_blocks: potential(w),
-                        device_overlap_blocks: overlaps.get(w),
-                        ..Default::default()
-                    }
-                })
-                .collect()
-        };
+        let candidates = self.slots.candidates(&workers, &seqs, &overlaps);
         self.scratch = overlaps;
         let scored = score(&self.cfg.cost, tokens, self.cfg.block_size, &candidates);
         let Some(i) = choose(&self.cfg.cost, &scored, &mut self.rng) else {

@@ -270,12 +270,7 @@ impl Engine {
                 }
             }
             if !removed.is_empty() {
-                let id = self.next_event_id;
-                self.next_event_id += 1;
-                self.events.push(RouterEvent::new(
-                    self.worker_id,
-                    KvCacheEvent::removed(id, 0, removed),
-                ));
+                self.emit(|id| KvCacheEvent::removed(id, 0, removed));
             }
             self.hit_blocks += hit as u64;
             self.prompt_blocks += r.blocks.len() as u64;
@@ -342,12 +337,7 @@ impl Engine {
         }
         self.running[idx].cached_blocks = held;
         if !removed.is_empty() {
-            let id = self.next_event_id;
-            self.next_event_id += 1;
-            self.events.push(RouterEvent::new(
-                self.worker_id,
-                KvCacheEvent::removed(id, 0, removed),
-            ));
+            self.emit(|id| KvCacheEvent::removed(id, 0, removed));
         }
         if !stored.is_empty() {
             // One stored event, under the parent of its first block.
@@ -357,13 +347,16 @@ impl Engine {
                 .get(&first)
                 .and_then(|b| b.parent)
                 .or(first_parent);
-            let id = self.next_event_id;
-            self.next_event_id += 1;
-            self.events.push(RouterEvent::new(
-                self.worker_id,
-                KvCacheEvent::stored(id, 0, p.map(SequenceBlockHash), stored),
-            ));
+            self.emit(|id| KvCacheEvent::stored(id, 0, p.map(SequenceBlockHash), stored));
         }
+    }
+
+    /// Queues the next event (numbered from 0) for publication.
+    fn emit(&mut self, event: impl FnOnce(u64) -> KvCacheEvent) {
+        let id = self.next_event_id;
+        self.next_event_id += 1;
+        self.events
+            .push(RouterEvent::new(self.worker_id, event(id)));
     }
 
     /// Runs one step; returns its duration (ms) and what it produced, or `None` when idle.

@@ -33,7 +33,7 @@ use kvrouter_io::worker::{KvPublisher, PublisherOptions};
 use serde::{Deserialize, Serialize};
 
 use super::engine::{Engine, EngineConfig, EngineRequest};
-use super::report::PolicyReport;
+use super::report::{PolicyReport, RequestOutcome};
 use super::sim::{Ideals, Policy, SimConfig};
 use super::trace::TraceRequest;
 
@@ -513,14 +513,7 @@ pub fn run_networked(
         None
     };
 
-    struct Rec {
-        worker: usize,
-        arrival: f64,
-        first: Option<f64>,
-        done: Option<f64>,
-        itl: Option<f64>,
-    }
-    let mut recs: Vec<Option<Rec>> = (0..trace.len()).map(|_| None).collect();
+    let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
     let mut in_flight = vec![0u64; n];
     let mut rng = Rng::new(cfg.sim.seed);
     let mut rr = 0usize;
@@ -562,7 +555,7 @@ pub fn run_networked(
                 }
             };
             in_flight[w] += 1;
-            recs[i] = Some(Rec {
+            recs[i] = Some(RequestOutcome {
                 worker: w,
                 arrival: arrival(i),
                 first: None,
@@ -638,38 +631,18 @@ pub fn run_networked(
         }
     }
     progress(completed);
-    let span_s = (now_ms() / 1000.0).max(1e-9);
+    let span_s = now_ms() / 1000.0;
     drop(router);
     drop(engines);
     drop(nats);
-    let mut per_worker = vec![0u64; n];
-    let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
-    for rec in recs.iter().flatten() {
-        per_worker[rec.worker] += 1;
-        if let Some(f) = rec.first {
-            ttft.push(f - rec.arrival);
-        }
-        if let Some(x) = rec.itl {
-            itl.push(x);
-        }
-        if let Some(d) = rec.done {
-            e2e.push(d - rec.arrival);
-        }
-    }
-    let (hit, prompt) = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
-    Ok(PolicyReport::new(
+    let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
+    let hits = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
+    Ok(PolicyReport::from_outcomes(
         policy.name(),
-        ttft,
-        itl,
-        e2e,
-        completed as u64,
-        completed as f64 / span_s,
-        if prompt == 0 {
-            0.0
-        } else {
-            hit as f64 / prompt as f64
-        },
+        &outcomes,
+        n,
+        span_s,
+        hits,
         *ideals,
-        per_worker,
     ))
 }

@@ -33,6 +33,21 @@ pub struct MeanP99 {
     pub p99: f64,
 }
 
+/// What happened to one request (times in ms from the start of the replay).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestOutcome {
+    /// Worker index it was routed to.
+    pub worker: usize,
+    /// Arrival.
+    pub arrival: f64,
+    /// First token.
+    pub first: Option<f64>,
+    /// Completion.
+    pub done: Option<f64>,
+    /// Mean gap between its tokens (none with a single token).
+    pub itl: Option<f64>,
+}
+
 /// One policy's results. Field names are the JSON keys of the CLI contract.
 #[derive(Debug, Clone, Serialize)]
 pub struct PolicyReport {
@@ -122,6 +137,47 @@ impl PolicyReport {
             completed,
             ttfts: ttft,
         }
+    }
+
+    /// Builds a report from per-request outcomes. `span_s` is the time from the first
+    /// arrival to the last completion; `hit`/`prompt` the engines' prompt-block counts.
+    pub fn from_outcomes(
+        policy: &str,
+        outcomes: &[RequestOutcome],
+        workers: usize,
+        span_s: f64,
+        (hit, prompt): (u64, u64),
+        ideals: Ideals,
+    ) -> Self {
+        let mut per_worker = vec![0u64; workers];
+        let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
+        let mut completed = 0u64;
+        for o in outcomes {
+            if let Some(n) = per_worker.get_mut(o.worker) {
+                *n += 1;
+            }
+            ttft.extend(o.first.map(|f| f - o.arrival));
+            itl.extend(o.itl);
+            if let Some(d) = o.done {
+                e2e.push(d - o.arrival);
+                completed += 1;
+            }
+        }
+        PolicyReport::new(
+            policy,
+            ttft,
+            itl,
+            e2e,
+            completed,
+            completed as f64 / span_s.max(1e-9),
+            if prompt == 0 {
+                0.0
+            } else {
+                hit as f64 / prompt as f64
+            },
+            ideals,
+            per_worker,
+        )
     }
 
     /// Busiest worker's share over the idlest's (∞ when one got nothing).

@@ -8,12 +8,12 @@ use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
 use kvrouter_core::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TreeIndex};
-use kvrouter_core::policy::{Candidate, CostConfig, Herd, Rng, choose, score};
+use kvrouter_core::policy::{CostConfig, Herd, Rng, choose, score};
 use kvrouter_core::slots::Slots;
 use kvrouter_core::worker::WorkerDp;
 
 use super::engine::{Engine, EngineConfig, EngineRequest, StepOutcome};
-use super::report::PolicyReport;
+use super::report::{PolicyReport, RequestOutcome};
 use super::trace::{TraceRequest, ideal_hit_ratio};
 
 /// The trace's achievable prefix-hit ratios, computed once per run.
@@ -135,7 +135,6 @@ struct Record {
     finish: Option<f64>,
     gaps: f64,
     tokens: u32,
-    max_gap: f64,
 }
 
 struct Router {
@@ -184,22 +183,7 @@ impl Router {
                 } else {
                     self.index.find_matches_into(locals, &mut self.scratch);
                 }
-                let potential = self.slots.potential_blocks_all(seqs);
-                let cands: Vec<Candidate> = self
-                    .workers
-                    .iter()
-                    .map(|&w| {
-                        let load = self.slots.load(w);
-                        Candidate {
-                            worker: w,
-                            active_prefill_tokens: load.active_prefill_tokens,
-                            active_decode_blocks: load.active_blocks,
-                            potential_decode_blocks: potential(w),
-                            device_overlap_blocks: self.scratch.get(w),
-                            ..Default::default()
-                        }
-                    })
-                    .collect();
+                let cands = self.slots.candidates(&self.workers, seqs, &self.scratch);
                 let scored = score(&self.cost, tokens, self.block_size, &cands);
                 choose(&self.cost, &scored, &mut self.rng).unwrap_or(0)
             }
@@ -308,7 +292,6 @@ fn run(
                     finish: None,
                     gaps: 0.0,
                     tokens: 0,
-                    max_gap: 0.0,
                 });
                 if !stepping[w] {
                     stepping[w] = true;
@@ -333,7 +316,6 @@ fn run(
                         let rec = records[id].as_mut().expect("routed");
                         let gap = now - rec.last;
                         rec.gaps += gap;
-                        rec.max_gap = rec.max_gap.max(gap);
                         rec.last = now;
                         rec.tokens += 1;
                     }
@@ -366,37 +348,25 @@ fn run(
     let first_arrival = trace
         .first()
         .map_or(0.0, |r| r.timestamp as f64 / cfg.speed);
-    let mut per_worker = vec![0u64; cfg.workers];
-    let mut ttft = Vec::new();
-    let mut itl = Vec::new();
-    let mut e2e = Vec::new();
-    for rec in records.iter().flatten() {
-        per_worker[rec.worker] += 1;
-        if let Some(f) = rec.first {
-            ttft.push(f - rec.arrival);
-        }
-        if rec.tokens > 1 {
-            itl.push(rec.gaps / (rec.tokens - 1) as f64);
-        }
-        if let Some(done) = rec.finish {
-            e2e.push(done - rec.arrival);
-        }
-    }
-    let span_s = ((last_finish - first_arrival) / 1000.0).max(1e-9);
-    let report = PolicyReport::new(
+    let outcomes: Vec<RequestOutcome> = records
+        .iter()
+        .flatten()
+        .map(|rec| RequestOutcome {
+            worker: rec.worker,
+            arrival: rec.arrival,
+            first: rec.first,
+            done: rec.finish,
+            itl: (rec.tokens > 1).then(|| rec.gaps / (rec.tokens - 1) as f64),
+        })
+        .collect();
+    let span_s = (last_finish - first_arrival) / 1000.0;
+    let report = PolicyReport::from_outcomes(
         policy.name(),
-        ttft,
-        itl,
-        e2e,
-        completed as u64,
-        completed as f64 / span_s,
-        if prompt == 0 {
-            0.0
-        } else {
-            hit as f64 / prompt as f64
-        },
+        &outcomes,
+        cfg.workers,
+        span_s,
+        (hit, prompt),
         *ideals,
-        per_worker,
     );
     (report, router, engines)
 }

@@ -44,18 +44,8 @@ pub(crate) struct BenchArgs {
     /// Write the TTFT CDF of every policy here (SVG).
     #[arg(long)]
     plot: Option<PathBuf>,
-    /// Tokens per KV block (must divide 512, the trace's block).
-    #[arg(long, default_value_t = EngineConfig::default().block_size)]
-    block_size: u32,
-    /// KV cache capacity of each mock engine, blocks.
-    #[arg(long, default_value_t = EngineConfig::default().capacity_blocks)]
-    kv_blocks: usize,
-    /// Token budget of one engine step (chunked prefill).
-    #[arg(long, default_value_t = EngineConfig::default().max_batch_tokens)]
-    max_batch_tokens: u32,
-    /// Divides every engine duration (a faster GPU).
-    #[arg(long, default_value_t = 1.0)]
-    engine_speedup: f64,
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Our policies' credit per cached block (Dynamo's `overlap_score_weight`), in [0, 1].
     #[arg(long, default_value_t = CostConfig::default().overlap_score_credit)]
     overlap_credit: f64,
@@ -99,7 +89,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     let positive = |x: f64| x > 0.0 && x.is_finite();
     let non_negative = |x: f64| x >= 0.0 && x.is_finite();
-    if !positive(args.speed) || !positive(args.engine_speedup) {
+    if !positive(args.speed) || !positive(args.engine.engine_speedup) {
         bail!("--speed and --engine-speedup must be positive");
     }
     if !(0.0..=1.0).contains(&args.overlap_credit)
@@ -110,7 +100,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             "--overlap-credit must be in [0, 1]; --prefill-load-scale and --temperature at least 0"
         );
     }
-    if args.block_size == 0 || 512 % args.block_size != 0 {
+    if args.engine.block_size == 0 || 512 % args.engine.block_size != 0 {
         bail!("--block-size must divide 512 (the trace's block size)");
     }
     let (text, name) = match &args.trace {
@@ -128,13 +118,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         workers: args.workers,
         speed: args.speed,
         seed: args.seed,
-        engine: EngineConfig {
-            block_size: args.block_size,
-            capacity_blocks: args.kv_blocks,
-            max_batch_tokens: args.max_batch_tokens,
-            speedup: args.engine_speedup,
-            ..EngineConfig::default()
-        },
+        engine: args.engine.config(),
         cost: CostConfig {
             overlap_score_credit: args.overlap_credit,
             prefill_load_scale: args.prefill_load_scale,
@@ -148,8 +132,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         trace.len(),
         args.speed,
         args.workers,
-        args.kv_blocks,
-        args.block_size,
+        args.engine.kv_blocks,
+        args.engine.block_size,
         policies
             .iter()
             .map(|p| p.name())
@@ -217,6 +201,35 @@ fn run_networked_all(
     Ok(out)
 }
 
+/// The mock engine's settings (shared by `bench` and `bench-engine`).
+#[derive(Debug, Args)]
+pub(crate) struct EngineFlags {
+    /// Tokens per KV block (must divide 512, the trace's block).
+    #[arg(long, default_value_t = EngineConfig::default().block_size)]
+    block_size: u32,
+    /// KV cache capacity of each mock engine, blocks.
+    #[arg(long, default_value_t = EngineConfig::default().capacity_blocks)]
+    kv_blocks: usize,
+    /// Token budget of one engine step (chunked prefill).
+    #[arg(long, default_value_t = EngineConfig::default().max_batch_tokens)]
+    max_batch_tokens: u32,
+    /// Divides every engine duration (a faster GPU).
+    #[arg(long, default_value_t = 1.0)]
+    engine_speedup: f64,
+}
+
+impl EngineFlags {
+    fn config(&self) -> EngineConfig {
+        EngineConfig {
+            block_size: self.block_size,
+            capacity_blocks: self.kv_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            speedup: self.engine_speedup,
+            ..EngineConfig::default()
+        }
+    }
+}
+
 /// Flags of the hidden `kvrouter bench-engine` (spawned by `kvrouter bench --nats`).
 #[derive(Debug, Args)]
 pub(crate) struct EngineArgs {
@@ -226,28 +239,16 @@ pub(crate) struct EngineArgs {
     namespace: String,
     #[arg(long)]
     index: usize,
-    #[arg(long)]
-    block_size: u32,
-    #[arg(long)]
-    kv_blocks: usize,
-    #[arg(long)]
-    max_batch_tokens: u32,
-    #[arg(long)]
-    engine_speedup: f64,
+    #[command(flatten)]
+    engine: EngineFlags,
 }
 
 pub(crate) fn run_engine(args: EngineArgs) -> anyhow::Result<ExitCode> {
     run_engine_process(EngineProcess {
+        engine: args.engine.config(),
         nats: args.nats,
         namespace: args.namespace,
         index: args.index,
-        engine: EngineConfig {
-            block_size: args.block_size,
-            capacity_blocks: args.kv_blocks,
-            max_batch_tokens: args.max_batch_tokens,
-            speedup: args.engine_speedup,
-            ..EngineConfig::default()
-        },
     })?;
     Ok(ExitCode::SUCCESS)
 }
