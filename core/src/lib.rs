@@ -14,6 +14,8 @@
 //! * [`slots`]: the slot manager, the router's prediction of each worker's load.
 //! * [`recovery`]: event-id bookkeeping (gaps, duplicates, restarts), the recovery protocol
 //!   between the router and workers' local indexers, and worker announcements.
+//! * [`snapshot`]: the snapshot file format (index state, last event ids, JetStream
+//!   position), fully validated before anything in it is trusted.
 //! * [`replay`]: replay logs of index operations with expected answers (the conformance
 //!   corpus and the benchmark input).
 //!
@@ -30,6 +32,7 @@ pub mod policy;
 pub mod recovery;
 pub mod replay;
 pub mod slots;
+pub mod snapshot;
 mod sync;
 pub mod worker;
 
