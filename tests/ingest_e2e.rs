@@ -5,26 +5,16 @@
 //! departures.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+use kvrouter_core::event::KvCacheEvent;
 use kvrouter_core::hash::LocalBlockHash;
-use kvrouter_core::index::{Index, ReferenceIndex};
-use kvrouter_core::replay::ReplayOp;
 use kvrouter_core::worker::{WorkerDp, WorkerId};
 use kvrouter_io::ingest::{Ingest, IngestConfig};
-use kvrouter_io::log::LogReader;
-use kvrouter_io::nats::{Client, Options};
+use kvrouter_io::nats::Client;
 use kvrouter_io::worker::{KvPublisher, PublisherOptions};
-use kvrouter_tests::{NatsServer, on_glommio, repo_root};
-
-fn nats_opts(url: &str) -> Options {
-    Options {
-        servers: vec![url.to_owned()],
-        ping_interval: Duration::from_millis(500),
-        ..Default::default()
-    }
-}
+use kvrouter_tests::fleet::*;
+use kvrouter_tests::{NatsServer, on_glommio};
 
 fn ingest(url: &str, shards: usize) -> Ingest {
     Ingest::start(IngestConfig {
@@ -35,126 +25,6 @@ fn ingest(url: &str, shards: usize) -> Ingest {
         ..Default::default()
     })
     .expect("ingest starts")
-}
-
-/// The sample log's events and final queries: (events in order, queries).
-fn sample() -> (Vec<RouterEvent>, Vec<Vec<LocalBlockHash>>) {
-    let mut reader = LogReader::open(repo_root().join("bench/data/sample_w4.jsonl.zst")).unwrap();
-    let (mut events, mut queries) = (Vec::new(), Vec::new());
-    while let Some((_, op)) = reader.next_op().unwrap() {
-        match op {
-            ReplayOp::Match { blocks, .. } => queries.push(blocks),
-            op => events.push(op.to_event().unwrap()),
-        }
-    }
-    (events, queries)
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Workers publishing from a glommio thread; they keep heartbeating and answering
-/// recovery requests until [`Fleet::stop`].
-struct Fleet {
-    stop: std::sync::mpsc::Sender<()>,
-    handle: std::thread::JoinHandle<HashMap<WorkerId, u64>>,
-}
-
-impl Fleet {
-    fn stop(self) -> HashMap<WorkerId, u64> {
-        let _ = self.stop.send(());
-        self.handle.join().unwrap()
-    }
-}
-
-/// Publishes every event through one publisher per worker, from a glommio thread.
-fn publish_all(
-    url: String,
-    events: Vec<RouterEvent>,
-    announce: bool,
-    drop_every: Option<u64>,
-) -> Fleet {
-    let (stop, stop_rx) = std::sync::mpsc::channel::<()>();
-    let handle = std::thread::spawn(move || {
-        on_glommio(move || async move {
-            let client = Client::connect(nats_opts(&url)).await.unwrap();
-            let mut pubs: HashMap<WorkerId, KvPublisher> = HashMap::new();
-            let mut last = HashMap::new();
-            for e in events {
-                if let std::collections::hash_map::Entry::Vacant(slot) = pubs.entry(e.worker_id) {
-                    let opts = PublisherOptions {
-                        announce,
-                        drop_every,
-                        heartbeat: Duration::from_millis(100),
-                        ..PublisherOptions::new(e.worker_id)
-                    };
-                    slot.insert(KvPublisher::start(client.clone(), opts).await.unwrap());
-                }
-                let id = pubs[&e.worker_id]
-                    .publish(e.event.dp_rank, vec![e.event.data.clone()])
-                    .await
-                    .unwrap();
-                last.insert(e.worker_id, id);
-            }
-            client.flush(Duration::from_secs(5)).await.unwrap();
-            // Keep answering recovery requests and heartbeating until told to stop.
-            while stop_rx.try_recv().is_err() {
-                glommio::timer::sleep(Duration::from_millis(20)).await;
-            }
-            last
-        })
-    });
-    Fleet { stop, handle }
-}
-
-fn expected_last_ids(events: &[RouterEvent]) -> HashMap<WorkerId, u64> {
-    let mut m = HashMap::new();
-    let mut next: HashMap<WorkerId, u64> = HashMap::new();
-    for e in events {
-        let n = next.entry(e.worker_id).or_insert(0);
-        m.insert(e.worker_id, *n);
-        *n += 1;
-    }
-    m
-}
-
-fn shift(events: &[RouterEvent]) -> Vec<RouterEvent> {
-    events
-        .iter()
-        .map(|e| RouterEvent {
-            worker_id: e.worker_id + (1 << 60),
-            ..e.clone()
-        })
-        .collect()
-}
-
-fn reference_of(events: &[RouterEvent]) -> ReferenceIndex {
-    let mut r = ReferenceIndex::new();
-    for e in events {
-        r.apply(e.clone()).unwrap();
-    }
-    r
-}
-
-fn assert_same(ingest: &Ingest, reference: &ReferenceIndex, queries: &[Vec<LocalBlockHash>]) {
-    let reader = ingest.reader();
-    for q in queries {
-        assert_eq!(reader.find_matches(q), reference.find_matches(q));
-    }
-    let blocks: usize = ingest.workers().iter().map(|s| s.blocks).sum();
-    assert_eq!(blocks, reference.block_count());
-}
-
-fn wait_applied(ingest: &Ingest, last: &HashMap<WorkerId, u64>) {
-    wait_until("every event applied", Duration::from_secs(20), || {
-        last.iter()
-            .all(|(&w, &id)| ingest.last_event_id(WorkerDp::new(w, 0)) == Some(id))
-    });
 }
 
 #[test]

@@ -32,8 +32,9 @@
 //! (kv-events, `kv_metrics`, `forward-pass-metrics`) counts as a heartbeat; a worker that
 //! never announced is removed after `silence_timeout` without messages.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,9 +46,12 @@ use kvrouter_core::event::RouterEvent;
 use kvrouter_core::index::tree::{ShardWriter, TreeIndex, TreeReader, shard_for};
 use kvrouter_core::index::{ApplyError, WorkerSummary};
 use kvrouter_core::recovery::{Announcement, EventIds, RecoveryReply, RecoveryRequest, Verdict};
+use kvrouter_core::snapshot::{SnapshotMeta, SnapshotView, StreamPosition, WorkerRecord};
 use kvrouter_core::worker::{DpRank, StorageTier, WorkerDp, WorkerId};
 
+use crate::nats::jetstream::{self, ConsumerSpec, StreamSpec};
 use crate::nats::{Client, NatsError, Options};
+use crate::snapshot::SnapshotStore;
 use crate::worker::TOPIC_WORKERS;
 
 /// Settings of the ingest.
@@ -74,6 +78,71 @@ pub struct IngestConfig {
     /// Let idle executors spin this long before parking: lower wake-up latency for more CPU
     /// (worth it on dedicated cores, not on a shared laptop).
     pub spin_before_park: Option<Duration>,
+    /// Snapshots: restored at start, written periodically, on demand and on stop. `None`:
+    /// off.
+    pub snapshot: Option<SnapshotConfig>,
+    /// JetStream durable mode: events come from a stream through a durable consumer.
+    /// `None`: core NATS.
+    pub durable: Option<DurableConfig>,
+    /// This router's id (written into snapshots).
+    pub router_id: u64,
+}
+
+/// Where and when snapshots are written.
+#[derive(Debug, Clone)]
+pub struct SnapshotConfig {
+    /// The directory of the snapshot file.
+    pub dir: PathBuf,
+    /// Write one this often (`None`: only on demand and on stop).
+    pub interval: Option<Duration>,
+    /// Write one when the ingest stops.
+    pub on_stop: bool,
+}
+
+/// The JetStream durable mode's settings.
+#[derive(Debug, Clone)]
+pub struct DurableConfig {
+    /// The stream capturing the kv-events subject (created when missing).
+    pub stream: String,
+    /// This replica's durable consumer (one per router replica; stable across restarts).
+    pub consumer: String,
+    /// Messages older than this leave the stream (`None`: no age limit).
+    pub max_age: Option<Duration>,
+    /// Unacknowledged messages the server may push ahead of the ingest.
+    pub max_ack_pending: u64,
+    /// Redelivery delay of an unacknowledged message.
+    pub ack_wait: Duration,
+    /// How often applied messages are acknowledged.
+    pub ack_interval: Duration,
+}
+
+impl DurableConfig {
+    /// Defaults for a stream and a consumer name.
+    pub fn new(stream: impl Into<String>, consumer: impl Into<String>) -> Self {
+        Self {
+            stream: stream.into(),
+            consumer: consumer.into(),
+            max_age: Some(Duration::from_secs(3600)),
+            max_ack_pending: 16384,
+            ack_wait: Duration::from_secs(30),
+            ack_interval: Duration::from_millis(20),
+        }
+    }
+}
+
+/// What one snapshot wrote.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SnapshotInfo {
+    /// The file.
+    pub path: PathBuf,
+    /// Its size.
+    pub bytes: usize,
+    /// Blocks in it.
+    pub blocks: u64,
+    /// (worker, dp rank)s in it.
+    pub workers: usize,
+    /// The JetStream sequence it covers (durable mode).
+    pub stream_seq: Option<u64>,
 }
 
 impl Default for IngestConfig {
@@ -89,6 +158,9 @@ impl Default for IngestConfig {
             recovery_timeout: Duration::from_secs(2),
             record_latency: false,
             spin_before_park: None,
+            snapshot: None,
+            durable: None,
+            router_id: 0,
         }
     }
 }
@@ -138,6 +210,20 @@ pub struct IngestCounters {
     pub nats_dropped: AtomicU64,
     /// NATS reconnects.
     pub nats_reconnects: AtomicU64,
+    /// Snapshots written.
+    pub snapshots: AtomicU64,
+    /// Snapshots that could not be written (the previous one is kept).
+    pub snapshot_failures: AtomicU64,
+    /// Snapshots found at start but unusable (corrupt, truncated, other version).
+    pub snapshot_load_failures: AtomicU64,
+    /// Blocks restored from a snapshot at start.
+    pub snapshot_restored_blocks: AtomicU64,
+    /// JetStream acknowledgements sent.
+    pub js_acks: AtomicU64,
+    /// JetStream deliveries skipped as already applied (redeliveries).
+    pub js_redelivered: AtomicU64,
+    /// Durable consumers re-created after messages were lost in flight.
+    pub js_resets: AtomicU64,
 }
 
 /// A snapshot of [`IngestCounters`].
@@ -159,6 +245,13 @@ pub struct IngestStats {
     pub skipped: u64,
     pub nats_dropped: u64,
     pub nats_reconnects: u64,
+    pub snapshots: u64,
+    pub snapshot_failures: u64,
+    pub snapshot_load_failures: u64,
+    pub snapshot_restored_blocks: u64,
+    pub js_acks: u64,
+    pub js_redelivered: u64,
+    pub js_resets: u64,
 }
 
 impl IngestCounters {
@@ -180,6 +273,13 @@ impl IngestCounters {
             skipped: l(&self.skipped),
             nats_dropped: l(&self.nats_dropped),
             nats_reconnects: l(&self.nats_reconnects),
+            snapshots: l(&self.snapshots),
+            snapshot_failures: l(&self.snapshot_failures),
+            snapshot_load_failures: l(&self.snapshot_load_failures),
+            snapshot_restored_blocks: l(&self.snapshot_restored_blocks),
+            js_acks: l(&self.js_acks),
+            js_redelivered: l(&self.js_redelivered),
+            js_resets: l(&self.js_resets),
         }
     }
 }
@@ -208,6 +308,8 @@ enum ShardCmd {
         events: Vec<RouterEvent>,
         publisher: u64,
         arrived: Instant,
+        /// The JetStream sequence of the message (0 in core mode).
+        stream_seq: u64,
     },
     Heartbeat {
         worker_id: WorkerId,
@@ -215,6 +317,7 @@ enum ShardCmd {
     },
     Announced {
         worker_id: WorkerId,
+        heartbeat_ms: u64,
     },
     Recovered {
         worker_id: WorkerId,
@@ -223,7 +326,23 @@ enum ShardCmd {
     Remove {
         worker_id: WorkerId,
     },
+    /// Dump this shard's state for a snapshot.
+    Snapshot {
+        reply: flume::Sender<ShardPart>,
+    },
+    /// Answer once everything sent before has been applied.
+    Barrier {
+        reply: flume::Sender<()>,
+    },
     Stop,
+}
+
+/// One shard's share of a snapshot.
+struct ShardPart {
+    workers: Vec<WorkerRecord>,
+    events: Vec<RouterEvent>,
+    /// The lowest stream sequence of an event still waiting for a recovery answer.
+    min_pending_seq: Option<u64>,
 }
 
 enum NatsCmd {
@@ -232,6 +351,9 @@ enum NatsCmd {
         worker_id: WorkerId,
         dp_rank: Option<DpRank>,
         range: Option<(u64, u64)>,
+    },
+    Snapshot {
+        reply: flume::Sender<Result<SnapshotInfo, String>>,
     },
     Stop,
 }
@@ -249,6 +371,7 @@ pub struct Ingest {
     nats_tx: flume::Sender<NatsCmd>,
     latencies: Arc<Mutex<Vec<u64>>>,
     threads: Vec<glommio::ExecutorJoinHandle<()>>,
+    snapshot_on_stop: bool,
 }
 
 impl std::fmt::Debug for Ingest {
@@ -364,8 +487,13 @@ impl Ingest {
     /// active (or the first connection failed).
     pub fn start(cfg: IngestConfig) -> Result<Ingest, IngestError> {
         let shards = cfg.shards.max(1);
-        let (writers, reader) = TreeIndex::new(shards).into_parts();
+        let (mut writers, reader) = TreeIndex::new(shards).into_parts();
         let counters = Arc::new(IngestCounters::default());
+        let store = cfg.snapshot.as_ref().map(|s| SnapshotStore::new(&s.dir));
+        let restored = match &store {
+            Some(store) => restore(store, &cfg, &mut writers, &counters),
+            None => Restored::empty(shards),
+        };
         let ready = Arc::new(AtomicBool::new(false));
         let latencies = Arc::new(Mutex::new(Vec::new()));
         let (nats_tx, nats_rx) = flume::unbounded::<NatsCmd>();
@@ -378,20 +506,23 @@ impl Ingest {
         }
         let mut threads = Vec::new();
         let mut summaries = Vec::new();
+        let mut ids_of = restored.ids;
+        let mut announced_of = restored.announced;
         for (i, (writer, rx)) in writers.into_iter().zip(shard_rx).enumerate() {
             let sum: Summaries = Arc::new(Mutex::new(HashMap::new()));
             summaries.push(Arc::clone(&sum));
             let shard = ShardCore {
                 index: i,
                 writer,
-                ids: EventIds::new(),
-                announced: HashMap::new(),
+                ids: std::mem::take(&mut ids_of[i]),
+                announced: std::mem::take(&mut announced_of[i]),
                 recovering: HashMap::new(),
                 counters: Arc::clone(&counters),
                 nats: nats_tx.clone(),
                 summaries: sum,
                 latencies: cfg.record_latency.then(|| Arc::clone(&latencies)),
             };
+            shard.summarize_all();
             let h = builder(&cfg, i + 1, &format!("kvrouter-shard-{i}"))
                 .spawn(move || async move { shard.run(rx).await })
                 .map_err(|e| IngestError::Executor(e.to_string()))?;
@@ -403,6 +534,9 @@ impl Ingest {
             shards: shard_tx.clone(),
             counters: Arc::clone(&counters),
             ready: Arc::clone(&ready),
+            store,
+            liveness: restored.liveness,
+            stream_seq: restored.stream_seq,
         };
         let h = builder(&cfg, 0, "kvrouter-nats")
             .spawn(move || async move { nats_core.start().run(nats_rx, started_tx).await })
@@ -417,6 +551,7 @@ impl Ingest {
             nats_tx,
             latencies,
             threads,
+            snapshot_on_stop: cfg.snapshot.as_ref().is_some_and(|s| s.on_stop),
         };
         match started_rx.recv() {
             Ok(Ok(())) => Ok(ingest),
@@ -489,12 +624,30 @@ impl Ingest {
         let _ = self.shard_tx[shard].send(ShardCmd::Remove { worker_id });
     }
 
-    /// Stops every executor and waits for them.
+    /// Writes a snapshot now (blocking until it is on disk). Lookups are never blocked; each
+    /// shard core pauses applying events while it dumps its state.
+    pub fn snapshot_now(&self) -> Result<SnapshotInfo, String> {
+        let (tx, rx) = flume::bounded(1);
+        self.nats_tx
+            .send(NatsCmd::Snapshot { reply: tx })
+            .map_err(|_| "the ingest has stopped".to_owned())?;
+        rx.recv().map_err(|_| "the ingest has stopped".to_owned())?
+    }
+
+    /// Stops every executor and waits for them (writing a snapshot first when configured).
     pub fn stop(mut self) {
         self.shutdown();
     }
 
     fn shutdown(&mut self) {
+        if std::mem::take(&mut self.snapshot_on_stop) {
+            match self.snapshot_now() {
+                Ok(info) => {
+                    tracing::info!(path = %info.path.display(), blocks = info.blocks, "snapshot written on stop")
+                }
+                Err(e) => tracing::error!(error = %e, "no snapshot on stop"),
+            }
+        }
         let _ = self.nats_tx.send(NatsCmd::Stop);
         for tx in &self.shard_tx {
             let _ = tx.send(ShardCmd::Stop);
@@ -511,16 +664,119 @@ impl Drop for Ingest {
     }
 }
 
+// ------------------------------------------------------------------------------ restore
+
+/// What a snapshot restored, per shard.
+struct Restored {
+    ids: Vec<EventIds>,
+    announced: Vec<HashMap<WorkerId, u64>>,
+    liveness: HashMap<WorkerId, Liveness>,
+    /// The JetStream sequence the restored state covers (0: none).
+    stream_seq: u64,
+}
+
+impl Restored {
+    fn empty(shards: usize) -> Self {
+        Self {
+            ids: (0..shards).map(|_| EventIds::new()).collect(),
+            announced: vec![HashMap::new(); shards],
+            liveness: HashMap::new(),
+            stream_seq: 0,
+        }
+    }
+}
+
+/// Loads the snapshot into the (empty) writers. Any problem with the file is logged and
+/// counted, and the ingest starts empty (a full resync: dumps from announced workers, the
+/// whole stream in durable mode).
+fn restore(
+    store: &SnapshotStore,
+    cfg: &IngestConfig,
+    writers: &mut [ShardWriter],
+    counters: &IngestCounters,
+) -> Restored {
+    let shards = writers.len();
+    let mut out = Restored::empty(shards);
+    let started = Instant::now();
+    let mapped = match store.open() {
+        Ok(Some(m)) => m,
+        Ok(None) => {
+            tracing::info!(dir = %store.dir().display(), "no snapshot: starting empty");
+            return out;
+        }
+        Err(e) => {
+            bump(&counters.snapshot_load_failures, 1);
+            tracing::error!(error = %e, "snapshot unreadable: starting empty, full resync");
+            return out;
+        }
+    };
+    let view: SnapshotView<'_> = match mapped.view() {
+        Ok(v) => v,
+        Err(e) => {
+            bump(&counters.snapshot_load_failures, 1);
+            tracing::error!(error = %e, kind = e.kind(), "snapshot rejected: starting empty, full resync");
+            return out;
+        }
+    };
+    let mut blocks = 0u64;
+    for e in view.events() {
+        blocks += e.block_count() as u64;
+        let w = shard_for(e.worker_id, shards);
+        if let Err(err) = writers[w].apply_event(&e) {
+            // A valid file from a buggy writer: keep what applies, say so.
+            tracing::warn!(error = %err, "snapshot chain rejected while restoring");
+        }
+    }
+    let now = Instant::now();
+    for r in view.workers() {
+        let i = shard_for(r.worker.worker_id, shards);
+        if let Some(id) = r.last_event_id {
+            out.ids[i].set(r.worker, id, r.publisher);
+        }
+        let heartbeat = r
+            .announced
+            .then(|| Duration::from_millis(r.heartbeat_ms.max(1)));
+        if r.announced {
+            out.announced[i].insert(r.worker.worker_id, r.heartbeat_ms);
+        }
+        out.liveness.insert(
+            r.worker.worker_id,
+            Liveness {
+                last_seen: now,
+                heartbeat,
+            },
+        );
+    }
+    if let (Some(d), Some(pos)) = (&cfg.durable, &view.meta().stream) {
+        if pos.stream == d.stream {
+            out.stream_seq = pos.seq;
+        } else {
+            tracing::warn!(snapshot = %pos.stream, configured = %d.stream, "snapshot of another stream: replaying the whole stream");
+        }
+    }
+    bump(&counters.snapshot_restored_blocks, blocks);
+    tracing::info!(
+        path = %mapped.path().display(),
+        blocks,
+        workers = view.workers().len(),
+        stream_seq = out.stream_seq,
+        ms = started.elapsed().as_millis() as u64,
+        "snapshot restored"
+    );
+    out
+}
+
 // ------------------------------------------------------------------------------ shards
 
 struct ShardCore {
     index: usize,
     writer: ShardWriter,
     ids: EventIds,
-    /// Workers with a local indexer (announced).
-    announced: HashMap<WorkerId, ()>,
-    /// Workers waiting for a recovery answer, with the events that arrived meanwhile.
-    recovering: HashMap<WorkerId, VecDeque<(RouterEvent, u64)>>,
+    /// Workers with a local indexer (announced), with their heartbeat interval in ms.
+    announced: HashMap<WorkerId, u64>,
+    /// Workers waiting for a recovery answer, with the events that arrived meanwhile
+    /// (event, publisher, stream sequence).
+    recovering: HashMap<WorkerId, VecDeque<(RouterEvent, u64, u64)>>,
     counters: Arc<IngestCounters>,
     nats: flume::Sender<NatsCmd>,
     summaries: Summaries,
@@ -535,16 +791,20 @@ impl ShardCore {
                     events,
                     publisher,
                     arrived,
+                    stream_seq,
                 } => {
                     for e in events {
-                        self.handle(e, publisher);
+                        self.handle(e, publisher, stream_seq);
                     }
                     if let Some(mut v) = self.latencies.as_ref().and_then(|l| l.lock().ok()) {
                         v.push(arrived.elapsed().as_nanos() as u64);
                     }
                 }
-                ShardCmd::Announced { worker_id } => {
-                    self.announced.insert(worker_id, ());
+                ShardCmd::Announced {
+                    worker_id,
+                    heartbeat_ms,
+                } => {
+                    self.announced.insert(worker_id, heartbeat_ms);
                     // Load the worker's full state; hold its events until it arrives.
                     self.recover(worker_id, None, None);
                 }
@@ -582,8 +842,50 @@ impl ShardCore {
                         m.retain(|w, _| w.worker_id != worker_id);
                     }
                 }
+                ShardCmd::Snapshot { reply } => {
+                    let _ = reply.send(self.snapshot_part());
+                }
+                ShardCmd::Barrier { reply } => {
+                    let _ = reply.send(());
+                }
                 ShardCmd::Stop => return,
             }
+        }
+    }
+
+    fn snapshot_part(&self) -> ShardPart {
+        let workers = self
+            .writer
+            .workers()
+            .into_iter()
+            .map(|s| {
+                let heartbeat = self.announced.get(&s.worker.worker_id).copied();
+                WorkerRecord {
+                    worker: s.worker,
+                    last_event_id: self.ids.last(s.worker),
+                    publisher: self.ids.publisher(s.worker).unwrap_or(0),
+                    announced: heartbeat.is_some(),
+                    heartbeat_ms: heartbeat.unwrap_or(0),
+                }
+            })
+            .collect();
+        let min_pending_seq = self
+            .recovering
+            .values()
+            .flat_map(|q| q.iter().map(|&(_, _, seq)| seq))
+            .filter(|&seq| seq > 0)
+            .min();
+        ShardPart {
+            workers,
+            events: self.writer.dump(),
+            min_pending_seq,
+        }
+    }
+
+    /// Publishes the summaries of every worker (after a restore).
+    fn summarize_all(&self) {
+        for s in self.writer.workers() {
+            self.summarize(s.worker);
         }
     }
 
@@ -597,13 +899,13 @@ impl ShardCore {
         });
     }
 
-    fn handle(&mut self, e: RouterEvent, publisher: u64) {
+    fn handle(&mut self, e: RouterEvent, publisher: u64, stream_seq: u64) {
         if !e.is_worker_owned() || e.storage_tier != StorageTier::Device {
             bump(&self.counters.skipped, 1);
             return;
         }
         if let Some(queue) = self.recovering.get_mut(&e.worker_id) {
-            queue.push_back((e, publisher));
+            queue.push_back((e, publisher, stream_seq));
             return;
         }
         let w = e.worker();
@@ -625,7 +927,7 @@ impl ShardCore {
                     self.recovering
                         .entry(w.worker_id)
                         .or_default()
-                        .push_back((e, publisher));
+                        .push_back((e, publisher, stream_seq));
                     self.recover(w.worker_id, Some(w.dp_rank), Some((first, last)));
                 } else {
                     tracing::warn!(worker = %w, first, last, "gap in the events of a worker without a local indexer");
@@ -717,8 +1019,8 @@ impl ShardCore {
                 self.ids.forget_worker(worker_id);
             }
         }
-        for (e, publisher) in pending {
-            self.handle(e, publisher);
+        for (e, publisher, stream_seq) in pending {
+            self.handle(e, publisher, stream_seq);
         }
     }
 }
@@ -738,6 +1040,9 @@ struct NatsCoreConfig {
     shards: Vec<flume::Sender<ShardCmd>>,
     counters: Arc<IngestCounters>,
     ready: Arc<AtomicBool>,
+    store: Option<SnapshotStore>,
+    liveness: HashMap<WorkerId, Liveness>,
+    stream_seq: u64,
 }
 
 impl NatsCoreConfig {
@@ -747,7 +1052,11 @@ impl NatsCoreConfig {
             shards: self.shards,
             counters: self.counters,
             ready: self.ready,
-            workers: RefCell::new(HashMap::new()),
+            workers: RefCell::new(self.liveness),
+            store: self.store,
+            dispatched_seq: Cell::new(self.stream_seq),
+            snapshot_busy: Cell::new(false),
+            ack_reply: RefCell::new(None),
         }
     }
 }
@@ -758,6 +1067,13 @@ struct NatsCore {
     counters: Arc<IngestCounters>,
     ready: Arc<AtomicBool>,
     workers: RefCell<HashMap<WorkerId, Liveness>>,
+    store: Option<SnapshotStore>,
+    /// Durable mode: the stream sequence of the last message handed to the shards in full.
+    dispatched_seq: Cell<u64>,
+    snapshot_busy: Cell<bool>,
+    /// Durable mode: the ack subject of the last message handed to the shards, not yet
+    /// acknowledged.
+    ack_reply: RefCell<Option<String>>,
 }
 
 impl NatsCore {
@@ -777,9 +1093,13 @@ impl NatsCore {
                 return;
             }
         };
+        let durable = self.cfg.durable.is_some();
         let subs = (|| -> Result<_, NatsError> {
             Ok((
-                client.subscribe(&self.cfg.subjects.kv_events(), None)?,
+                // Durable mode: events come through the consumer instead.
+                (!durable)
+                    .then(|| client.subscribe(&self.cfg.subjects.kv_events(), None))
+                    .transpose()?,
                 client.subscribe(&self.cfg.subjects.subject(codec::TOPIC_KV_METRICS), None)?,
                 client.subscribe(
                     &self.cfg.subjects.subject(codec::TOPIC_FORWARD_PASS_METRICS),
@@ -799,17 +1119,71 @@ impl NatsCore {
             let _ = started.send(Err(e));
             return;
         }
+        if let Some(d) = &self.cfg.durable {
+            let spec = StreamSpec {
+                name: d.stream.clone(),
+                subjects: vec![self.cfg.subjects.kv_events()],
+                max_age: d.max_age,
+                max_bytes: None,
+            };
+            match jetstream::ensure_stream(&client, &spec, Duration::from_secs(5)).await {
+                Ok(st) => {
+                    let from = self.dispatched_seq.get();
+                    if from > 0 && st.first_seq > from + 1 {
+                        tracing::warn!(
+                            snapshot_seq = from,
+                            first_seq = st.first_seq,
+                            "the stream no longer holds every message after the snapshot: workers with a local indexer will be resynchronised by gap recovery"
+                        );
+                    }
+                    tracing::info!(stream = %d.stream, first_seq = st.first_seq, last_seq = st.last_seq, "stream bound");
+                }
+                Err(e) => {
+                    let _ = started.send(Err(NatsError::Io(format!("jetstream: {e}"))));
+                    return;
+                }
+            }
+        }
         self.ready.store(true, Ordering::Release);
         let _ = started.send(Ok(()));
         let me = Rc::new(self);
 
         // kv-events.
         let m = Rc::clone(&me);
+        let c = client.clone();
         let events_task = glommio::spawn_local(async move {
-            while let Some(msg) = events_sub.next().await {
-                m.on_events(&msg.payload).await;
+            match events_sub {
+                Some(sub) => {
+                    while let Some(msg) = sub.next().await {
+                        m.on_events(&msg.payload, 0).await;
+                    }
+                }
+                None => m.consume_durable(&c).await,
             }
         });
+        if let Some(d) = me.cfg.durable.clone() {
+            let m = Rc::clone(&me);
+            let c = client.clone();
+            glommio::spawn_local(async move {
+                loop {
+                    glommio::timer::sleep(d.ack_interval).await;
+                    m.ack_applied(&c).await;
+                }
+            })
+            .detach();
+        }
+        if let Some(every) = me.cfg.snapshot.as_ref().and_then(|s| s.interval) {
+            let m = Rc::clone(&me);
+            glommio::spawn_local(async move {
+                loop {
+                    glommio::timer::sleep(every).await;
+                    if let Err(e) = m.take_snapshot().await {
+                        tracing::error!(error = %e, "periodic snapshot failed; the previous one is kept");
+                    }
+                }
+            })
+            .detach();
+        }
         // Metrics: heartbeats only.
         for sub in [kvm_sub, fpm_sub] {
             let m = Rc::clone(&me);
@@ -877,11 +1251,206 @@ impl NatsCore {
                     })
                     .detach();
                 }
+                NatsCmd::Snapshot { reply } => {
+                    let m = Rc::clone(&me);
+                    glommio::spawn_local(async move {
+                        let _ = reply.send_async(m.take_snapshot().await).await;
+                    })
+                    .detach();
+                }
                 NatsCmd::Stop => break,
             }
         }
+        // Acknowledge what was applied before leaving.
+        me.ack_applied(&client).await;
         drop(events_task);
         client.close();
+    }
+
+    /// Durable mode: (re)creates this replica's consumer right after the last message
+    /// handed to the shards and feeds its deliveries to the shards in order. A delivery
+    /// that skips consumer sequences (messages lost in flight: a full subscription buffer,
+    /// a broker restart) re-creates the consumer after the last message applied, so that
+    /// events are never applied out of order; redeliveries of applied messages are skipped.
+    async fn consume_durable(&self, client: &Client) {
+        let Some(d) = self.cfg.durable.clone() else {
+            return;
+        };
+        let mut generation = 0u64;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            generation += 1;
+            let deliver = format!("_KVROUTER.{:x}.{generation}", self.cfg.router_id);
+            let sub = match client.subscribe(&deliver, None) {
+                Ok(s) => s,
+                Err(NatsError::Closed) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot subscribe the delivery subject");
+                    glommio::timer::sleep(backoff).await;
+                    continue;
+                }
+            };
+            let after = self.dispatched_seq.get();
+            let spec = ConsumerSpec {
+                stream: d.stream.clone(),
+                durable: d.consumer.clone(),
+                deliver_subject: deliver.clone(),
+                start_seq: (after > 0).then_some(after + 1),
+                max_ack_pending: d.max_ack_pending,
+                ack_wait: d.ack_wait,
+            };
+            if let Err(e) =
+                jetstream::recreate_consumer(client, &spec, Duration::from_secs(5)).await
+            {
+                if matches!(e, jetstream::JsError::Nats(NatsError::Closed)) {
+                    return;
+                }
+                tracing::warn!(error = %e, "cannot create the durable consumer; retrying");
+                glommio::timer::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+            backoff = Duration::from_millis(50);
+            tracing::info!(consumer = %d.consumer, from_seq = after + 1, "durable consumer ready");
+            let mut last_cseq = 0u64;
+            loop {
+                let Some(msg) = sub.next().await else {
+                    return; // the client closed
+                };
+                let Some(reply) = msg.reply else {
+                    continue; // a status message (idle heartbeat, flow control)
+                };
+                let Some(dl) = jetstream::parse_ack_subject(&reply) else {
+                    bump(&self.counters.decode_errors, 1);
+                    tracing::warn!(%reply, "delivery without a JetStream ack subject skipped");
+                    continue;
+                };
+                if dl.consumer_seq <= last_cseq || dl.stream_seq <= self.dispatched_seq.get() {
+                    bump(&self.counters.js_redelivered, 1);
+                    last_cseq = last_cseq.max(dl.consumer_seq);
+                    continue;
+                }
+                if dl.consumer_seq > last_cseq + 1 {
+                    bump(&self.counters.js_resets, 1);
+                    tracing::warn!(
+                        expected = last_cseq + 1,
+                        got = dl.consumer_seq,
+                        "deliveries lost in flight: re-creating the consumer after the last applied message"
+                    );
+                    break;
+                }
+                last_cseq = dl.consumer_seq;
+                self.on_events(&msg.payload, dl.stream_seq).await;
+                self.dispatched_seq.set(dl.stream_seq);
+                *self.ack_reply.borrow_mut() = Some(reply);
+            }
+        }
+    }
+
+    /// Durable mode: once every shard has applied what was handed to it, acknowledges the
+    /// last message (acknowledgement policy `all` covers every earlier one).
+    async fn ack_applied(&self, client: &Client) {
+        let Some(reply) = self.ack_reply.borrow_mut().take() else {
+            return;
+        };
+        let (tx, rx) = flume::bounded(self.shards.len());
+        for s in &self.shards {
+            let _ = s.send_async(ShardCmd::Barrier { reply: tx.clone() }).await;
+        }
+        drop(tx);
+        while rx.recv_async().await.is_ok() {}
+        if client.publish(&reply, b"+ACK").await.is_ok() {
+            bump(&self.counters.js_acks, 1);
+        }
+    }
+
+    /// Dumps every shard (each in its own event order, so the union covers exactly what was
+    /// handed to the shards before the request), then encodes and writes the file on a
+    /// plain thread so that this executor keeps ingesting.
+    async fn take_snapshot(&self) -> Result<SnapshotInfo, String> {
+        let store = self
+            .store
+            .clone()
+            .ok_or("snapshots are off (no directory)")?;
+        if self.snapshot_busy.replace(true) {
+            return Err("a snapshot is already being written".into());
+        }
+        let result = self.write_snapshot(store).await;
+        self.snapshot_busy.set(false);
+        match &result {
+            Ok(info) => {
+                bump(&self.counters.snapshots, 1);
+                tracing::info!(path = %info.path.display(), bytes = info.bytes, blocks = info.blocks, stream_seq = ?info.stream_seq, "snapshot written");
+            }
+            Err(e) => {
+                bump(&self.counters.snapshot_failures, 1);
+                tracing::error!(error = %e, "snapshot failed; the previous one is kept");
+            }
+        }
+        result
+    }
+
+    async fn write_snapshot(&self, store: SnapshotStore) -> Result<SnapshotInfo, String> {
+        let covered = self.dispatched_seq.get();
+        let (tx, rx) = flume::bounded(self.shards.len());
+        for s in &self.shards {
+            s.send_async(ShardCmd::Snapshot { reply: tx.clone() })
+                .await
+                .map_err(|_| "a shard core has stopped".to_owned())?;
+        }
+        drop(tx);
+        let mut workers = Vec::new();
+        let mut events = Vec::new();
+        let mut seq = covered;
+        for _ in 0..self.shards.len() {
+            let part = rx
+                .recv_async()
+                .await
+                .map_err(|_| "a shard core has stopped".to_owned())?;
+            workers.extend(part.workers);
+            events.extend(part.events);
+            if let Some(p) = part.min_pending_seq {
+                seq = seq.min(p - 1);
+            }
+        }
+        let meta = SnapshotMeta {
+            created_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            router_id: self.cfg.router_id,
+            stream: self.cfg.durable.as_ref().map(|d| StreamPosition {
+                stream: d.stream.clone(),
+                seq,
+            }),
+            blocks: 0,
+        };
+        let stream_seq = meta.stream.as_ref().map(|p| p.seq);
+        let (done_tx, done_rx) = flume::bounded(1);
+        std::thread::Builder::new()
+            .name("kvrouter-snapshot".into())
+            .spawn(move || {
+                let r = kvrouter_core::snapshot::encode(&meta, &workers, &events)
+                    .map_err(|e| e.to_string())
+                    .and_then(|bytes| {
+                        let blocks = events.iter().map(|e| e.block_count() as u64).sum();
+                        store
+                            .write(&bytes)
+                            .map(|path| SnapshotInfo {
+                                path,
+                                bytes: bytes.len(),
+                                blocks,
+                                workers: workers.len(),
+                                stream_seq,
+                            })
+                            .map_err(|e| e.to_string())
+                    });
+                let _ = done_tx.send(r);
+            })
+            .map_err(|e| e.to_string())?;
+        done_rx
+            .recv_async()
+            .await
+            .map_err(|_| "the snapshot thread died".to_owned())?
     }
 
     fn seen(&self, worker_id: WorkerId, heartbeat: Option<Duration>) {
@@ -896,7 +1465,7 @@ impl NatsCore {
         }
     }
 
-    async fn on_events(&self, payload: &[u8]) {
+    async fn on_events(&self, payload: &[u8], stream_seq: u64) {
         let arrived = Instant::now();
         bump(&self.counters.messages, 1);
         let (publisher, events) = match kv::decode_message(payload) {
@@ -919,6 +1488,7 @@ impl NatsCore {
                         events,
                         publisher,
                         arrived,
+                        stream_seq,
                     })
                     .await;
             }
@@ -953,6 +1523,7 @@ impl NatsCore {
             let _ = self.shards[shard]
                 .send_async(ShardCmd::Announced {
                     worker_id: a.worker_id,
+                    heartbeat_ms: a.heartbeat_ms.max(1),
                 })
                 .await;
         } else if !a.last_event_ids.is_empty() {

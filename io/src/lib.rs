@@ -9,6 +9,7 @@
 //!   the worker → the lock-free index; gap recovery, restarts, discovery, liveness.
 //! * [`worker`]: the worker-side library: `KvPublisher` and its local indexer.
 //! * [`http`]: a small HTTP/1.1 server on glommio's io_uring sockets.
+//! * [`snapshot`]: snapshot files (atomic writes, mmap loads, full validation).
 //! * [`router`]: the routing API (cost function, slot manager, replica sync).
 //!
 //! **Architecture Invariant:** `io` depends on `core`, never the other way round.
@@ -18,4 +19,5 @@ pub mod ingest;
 pub mod log;
 pub mod nats;
 pub mod router;
+pub mod snapshot;
 pub mod worker;

@@ -24,6 +24,7 @@ use kvrouter_core::index::{Index, TreeIndex};
 use kvrouter_core::recovery::{Announcement, RecoveryReply, RecoveryRequest, chunk_dump};
 use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
+use crate::nats::jetstream::{self, JsError};
 use crate::nats::{Client, NatsError};
 
 /// Topic of worker announcements (discovery).
@@ -54,6 +55,10 @@ pub struct PublisherOptions {
     pub dump_chunk_blocks: usize,
     /// The id of each rank's first event (ours count from 0, stock Dynamo 1.6.1 from 1).
     pub first_event_id: u64,
+    /// JetStream durable mode: each message is published as a JetStream request and resent
+    /// until the stream confirms it stored it (a broker restart loses nothing; a resent
+    /// message the stream already had is a harmless duplicate, events being idempotent).
+    pub durable: bool,
     /// Test hook: do not send every Nth message (events are still numbered and indexed
     /// locally), to exercise the router's gap recovery.
     pub drop_every: Option<u64>,
@@ -71,6 +76,7 @@ impl PublisherOptions {
             heartbeat: Duration::from_secs(1),
             dump_chunk_blocks: 8192,
             first_event_id: 0,
+            durable: false,
             drop_every: None,
         }
     }
@@ -294,9 +300,27 @@ impl KvPublisher {
             topic: TOPIC_KV_EVENTS,
             payload: &payload,
         };
-        self.client
-            .publish(&self.opts.subjects.kv_events(), &env.encode())
-            .await
+        let subject = self.opts.subjects.kv_events();
+        let body = env.encode();
+        if !self.opts.durable {
+            return self.client.publish(&subject, &body).await;
+        }
+        let started = std::time::Instant::now();
+        loop {
+            match jetstream::publish_acked(&self.client, &subject, &body, Duration::from_secs(1))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if started.elapsed() > Duration::from_secs(60) => {
+                    return Err(NatsError::Io(format!("durable publish: {e}")));
+                }
+                Err(JsError::Nats(NatsError::Closed)) => return Err(NatsError::Closed),
+                Err(e) => {
+                    tracing::debug!(error = %e, "durable publish not confirmed; resending");
+                    glommio::timer::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
     }
 
     /// Publishes a stored chain.

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+pub mod fleet;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -6,6 +6,7 @@
 mod bench;
 mod replay;
 mod serve;
+mod snapshot;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,8 @@ enum Command {
     Replay(replay::ReplayArgs),
     /// Run the router: ingest KV events from NATS and serve routing decisions over HTTP.
     Serve(Box<serve::ServeArgs>),
+    /// Inspect or verify a snapshot file.
+    Snapshot(snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         Command::BenchEngine(args) => bench::run_engine(args),
         Command::Replay(args) => replay::run(args),
         Command::Serve(args) => serve::run(*args),
+        Command::Snapshot(args) => snapshot::run(args),
     };
     match result {
         Ok(code) => code,

@@ -13,7 +13,7 @@ use kvrouter_core::codec::Subjects;
 use kvrouter_core::policy::{CostConfig, Herd};
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
-use kvrouter_io::ingest::{Ingest, IngestConfig};
+use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig};
 use kvrouter_io::nats::Options;
 use kvrouter_io::router::{self, RouterConfig};
 use serde::{Deserialize, Serialize};
@@ -57,9 +57,30 @@ pub(crate) struct ServeArgs {
     /// Share slot predictions with other replicas.
     #[arg(long, env = "KVROUTER_REPLICA_SYNC")]
     replica_sync: Option<bool>,
-    /// JetStream durable events (not available in this version).
+    /// JetStream durable mode: events come from a stream through this replica's durable
+    /// consumer (workers publish with `durable` too).
     #[arg(long, env = "KVROUTER_DURABLE_KV_EVENTS")]
     durable_kv_events: Option<bool>,
+    /// Durable mode: the stream's name (created when missing).
+    #[arg(long, env = "KVROUTER_STREAM_NAME")]
+    stream_name: Option<String>,
+    /// Durable mode: messages older than this many seconds leave a stream we create (0: no
+    /// age limit).
+    #[arg(long, env = "KVROUTER_STREAM_MAX_AGE_SECS")]
+    stream_max_age_secs: Option<u64>,
+    /// Durable mode: this replica's durable consumer (stable across restarts; default from
+    /// the router id, or from the host name when the id is random).
+    #[arg(long, env = "KVROUTER_CONSUMER_NAME")]
+    consumer_name: Option<String>,
+    /// Directory of the snapshot file (absent: no snapshots).
+    #[arg(long, env = "KVROUTER_SNAPSHOT_DIR")]
+    snapshot_dir: Option<PathBuf>,
+    /// Seconds between periodic snapshots (0: only on stop).
+    #[arg(long, env = "KVROUTER_SNAPSHOT_INTERVAL_SECS")]
+    snapshot_interval_secs: Option<u64>,
+    /// Write a snapshot on SIGTERM / SIGINT.
+    #[arg(long, env = "KVROUTER_SNAPSHOT_ON_STOP")]
+    snapshot_on_stop: Option<bool>,
     /// This router's id (random when 0 or absent).
     #[arg(long, env = "KVROUTER_ROUTER_ID")]
     router_id: Option<u64>,
@@ -124,6 +145,12 @@ pub(crate) struct ServeConfig {
     kv_events: bool,
     replica_sync: bool,
     durable_kv_events: bool,
+    stream_name: Option<String>,
+    stream_max_age_secs: u64,
+    consumer_name: Option<String>,
+    snapshot_dir: Option<PathBuf>,
+    snapshot_interval_secs: u64,
+    snapshot_on_stop: bool,
     router_id: u64,
     shards: usize,
     cpus: Vec<usize>,
@@ -158,6 +185,12 @@ impl Default for ServeConfig {
             kv_events: true,
             replica_sync: true,
             durable_kv_events: false,
+            stream_name: None,
+            stream_max_age_secs: 3600,
+            consumer_name: None,
+            snapshot_dir: None,
+            snapshot_interval_secs: 60,
+            snapshot_on_stop: true,
             router_id: 0,
             shards: 1,
             cpus: Vec::new(),
@@ -212,6 +245,9 @@ impl ServeConfig {
             kv_events,
             replica_sync,
             durable_kv_events,
+            stream_max_age_secs,
+            snapshot_interval_secs,
+            snapshot_on_stop,
             router_id,
             shards,
             cpus,
@@ -232,6 +268,9 @@ impl ServeConfig {
             nats_user,
             nats_password,
             auth_token,
+            stream_name,
+            consumer_name,
+            snapshot_dir,
             max_active_decode_blocks,
             max_active_prefill_tokens
         );
@@ -254,9 +293,10 @@ impl ServeConfig {
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut cfg = ServeConfig::resolve(&args)?;
-    if cfg.durable_kv_events {
-        anyhow::bail!("durable KV events (JetStream) are not available in this version");
+    if cfg.durable_kv_events && !cfg.kv_events {
+        anyhow::bail!("--durable-kv-events needs --kv-events true");
     }
+    let random_id = cfg.router_id == 0;
     if cfg.router_id == 0 {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -265,6 +305,28 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             .map(u64::to_le_bytes)
             .concat();
         cfg.router_id = (xxhash_rust::xxh3::xxh3_64(&seed) >> 11) | 1;
+    }
+    if cfg.durable_kv_events {
+        let stream = cfg
+            .stream_name
+            .get_or_insert_with(|| sanitize(&format!("kvrouter-events-{}", cfg.namespace)));
+        if !valid_name(stream) {
+            anyhow::bail!("invalid stream name {stream:?} (letters, digits, '-' and '_')");
+        }
+        let consumer = cfg.consumer_name.get_or_insert_with(|| {
+            if random_id {
+                let host = std::fs::read_to_string("/etc/hostname")
+                    .ok()
+                    .or_else(|| std::env::var("HOSTNAME").ok())
+                    .unwrap_or_else(|| "host".into());
+                sanitize(&format!("kvrouter-{}", host.trim()))
+            } else {
+                format!("kvrouter-{:x}", cfg.router_id)
+            }
+        });
+        if !valid_name(consumer) {
+            anyhow::bail!("invalid consumer name {consumer:?} (letters, digits, '-' and '_')");
+        }
     }
     tracing::info!(config = %serde_json::to_string(&cfg).unwrap_or_default(), "effective configuration");
     let subjects = Subjects {
@@ -289,6 +351,21 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 shards: cfg.shards,
                 cpus: cfg.cpus.iter().skip(1).copied().collect(),
                 silence_timeout: Duration::from_secs(cfg.silence_timeout_secs),
+                router_id: cfg.router_id,
+                snapshot: cfg.snapshot_dir.clone().map(|dir| SnapshotConfig {
+                    dir,
+                    interval: (cfg.snapshot_interval_secs > 0)
+                        .then(|| Duration::from_secs(cfg.snapshot_interval_secs)),
+                    on_stop: cfg.snapshot_on_stop,
+                }),
+                durable: cfg.durable_kv_events.then(|| DurableConfig {
+                    max_age: (cfg.stream_max_age_secs > 0)
+                        .then(|| Duration::from_secs(cfg.stream_max_age_secs)),
+                    ..DurableConfig::new(
+                        cfg.stream_name.clone().unwrap_or_default(),
+                        cfg.consumer_name.clone().unwrap_or_default(),
+                    )
+                }),
                 ..IngestConfig::default()
             })
             .context("starting the KV-event ingest")?,
@@ -337,7 +414,38 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     .map_err(|e| anyhow::anyhow!(e))
     .context("starting the routing API")?;
     println!("kvrouter serving on http://{}", api.addr());
-    api.join();
-    drop(ingest);
+    // Stop cleanly on SIGTERM / SIGINT: the API first, then the ingest (which writes its
+    // snapshot on stop).
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .context("installing signal handlers")?;
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!(signal = sig, "stopping");
+    }
+    api.stop();
+    if let Some(ingest) = ingest {
+        ingest.stop();
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 255
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }

@@ -1,7 +1,9 @@
 //! `kvrouter serve` end to end: three router processes on one nats-server ingest events that
 //! workers publish through the worker library; `/v1/route` picks the worker holding the
 //! prompt; first_token / free move the loads; the replicas converge on loads through
-//! replica sync; bad input gets 4xx answers.
+//! replica sync; bad input gets 4xx answers. In JetStream durable mode, a router killed
+//! with -9 mid-ingest and restarted from its periodic snapshot ends equal to a replica that
+//! never stopped.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -10,8 +12,16 @@ use std::time::{Duration, Instant};
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kvrouter_core::index::{Index, ReferenceIndex};
 use kvrouter_io::nats::{Client, Options};
+use kvrouter_io::snapshot::MappedSnapshot;
 use kvrouter_io::worker::{KvPublisher, PublisherOptions};
+use kvrouter_tests::fleet::{
+    Publishing, expected_last_ids, publish_with, reference_of, sample, shift,
+};
 use kvrouter_tests::{NatsServer, http, on_glommio};
 use serde_json::Value;
 
@@ -298,4 +308,162 @@ fn three_replicas_route_track_loads_and_converge() {
 
     stop_tx.send(()).unwrap();
     workers.join().unwrap();
+}
+
+fn snapshot_index(path: &std::path::Path) -> ReferenceIndex {
+    let m = MappedSnapshot::open(path).expect("snapshot file");
+    let mut idx = ReferenceIndex::new();
+    for e in m.view().expect("valid snapshot").events() {
+        idx.apply(e).expect("applies");
+    }
+    idx
+}
+
+fn sigterm_and_wait(r: &mut Router) {
+    let status = Command::new("kill")
+        .args(["-TERM", &r.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let start = Instant::now();
+    loop {
+        if let Some(code) = r.child.try_wait().expect("wait") {
+            assert!(code.success(), "clean exit on SIGTERM: {code}");
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn kill_9_mid_ingest_then_restart_equals_a_replica_that_never_stopped() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let base = std::env::temp_dir().join(format!("kvrouter-kill9-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let args = |name: &str| -> Vec<String> {
+        [
+            "--durable-kv-events",
+            "true",
+            "--stream-name",
+            "kvtest",
+            "--consumer-name",
+            name,
+            "--snapshot-interval-secs",
+            "1",
+            "--replica-sync",
+            "false",
+            "--snapshot-dir",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([base.join(name).display().to_string()])
+        .collect()
+    };
+    let start = |name: &str| {
+        let a = args(name);
+        let r = router(&url, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        wait_until("healthz", || {
+            http(&r.addr, "GET", "/healthz", "", &[]).0 == 200
+        });
+        r
+    };
+    let mut steady = start("steady");
+    let mut crashy = start("crashy");
+
+    let (events, _) = sample();
+    let events = shift(&events);
+    let progress = Arc::new(AtomicUsize::new(0));
+    // Workers without a local indexer: only the stream can bring back what the crashed
+    // router missed.
+    let fleet = publish_with(
+        url.clone(),
+        events.clone(),
+        Publishing {
+            durable: true,
+            pace: Some(Duration::from_millis(3)),
+            progress: Some(Arc::clone(&progress)),
+            ..Publishing::default()
+        },
+    );
+    let crash_snapshot = base.join("crashy").join("kvrouter.snap");
+    wait_until("a periodic snapshot mid-ingest", || {
+        crash_snapshot.exists() && progress.load(Ordering::Relaxed) > events.len() / 3
+    });
+    assert!(
+        progress.load(Ordering::Relaxed) < events.len(),
+        "still ingesting"
+    );
+    // kill -9, keep publishing, restart from the periodic snapshot.
+    let _ = crashy.child.kill();
+    let _ = crashy.child.wait();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut crashy = start("crashy");
+    let (_, metrics) = http(&crashy.addr, "GET", "/metrics", "", &[]);
+    assert!(
+        !metrics.contains("kvrouter_ingest_snapshot_restored_blocks_total 0\n"),
+        "restarted from the snapshot: {metrics}"
+    );
+
+    let last = expected_last_ids(&events);
+    for r in [&steady, &crashy] {
+        wait_until("every event applied", || {
+            last.iter().all(|(&w, &id)| {
+                worker_row(&r.addr, w).is_some_and(|row| row["last_event_id"].as_u64() == Some(id))
+            })
+        });
+    }
+    fleet.stop();
+    // Stop both cleanly: each writes its final snapshot; compare the dumps.
+    sigterm_and_wait(&mut steady);
+    sigterm_and_wait(&mut crashy);
+    let a = snapshot_index(&base.join("steady").join("kvrouter.snap"));
+    let b = snapshot_index(&crash_snapshot);
+    assert_eq!(
+        b.dump(),
+        a.dump(),
+        "the restarted replica equals the steady one"
+    );
+    assert_eq!(b.workers(), a.workers());
+    assert_eq!(
+        a.dump(),
+        reference_of(&events).dump(),
+        "both equal the truth"
+    );
+
+    // The snapshot tools.
+    let bin = env!("CARGO_BIN_EXE_kvrouter");
+    let out = Command::new(bin)
+        .args(["snapshot", "verify"])
+        .arg(&crash_snapshot)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok: "));
+    let out = Command::new(bin)
+        .args(["snapshot", "inspect"])
+        .arg(&crash_snapshot)
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).expect("inspect prints JSON");
+    assert_eq!(v["meta"]["stream"]["stream"], "kvtest");
+    assert!(v["meta"]["stream"]["seq"].as_u64().unwrap() >= events.len() as u64);
+    assert_eq!(v["blocks"].as_u64().unwrap() as usize, a.block_count());
+    let mut bytes = std::fs::read(&crash_snapshot).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 1;
+    let broken = base.join("broken.snap");
+    std::fs::write(&broken, &bytes).unwrap();
+    let out = Command::new(bin)
+        .args(["snapshot", "verify"])
+        .arg(&broken)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("checksum"));
+    let _ = std::fs::remove_dir_all(&base);
 }

@@ -2,9 +2,11 @@
 //! sockets ([`client`]). No existing crate serves glommio, so the client is ours; it speaks
 //! the core protocol (INFO, CONNECT, PUB/HPUB, SUB/UNSUB, MSG/HMSG, PING/PONG, +OK/-ERR)
 //! with token and user/password authentication, request/reply through an inbox,
-//! `max_payload`, pipelined writes with backpressure, and reconnects with re-subscription.
+//! `max_payload`, pipelined writes with backpressure, and reconnects with re-subscription;
+//! [`jetstream`] adds the JetStream calls of the durable mode.
 
 pub mod client;
+pub mod jetstream;
 pub mod proto;
 
 pub use client::{Client, NatsError, Options, ReplyStream, Stats, Subscription};

@@ -1,0 +1,223 @@
+//! Durability over a real `nats-server` (each test its own): snapshots restore the index,
+//! unusable snapshots fall back to a full resync, a failed write keeps the previous
+//! snapshot, and in JetStream mode a router that restarts from an older snapshot, or a
+//! broker restarted under load, loses nothing.
+//!
+//! The process-level `kill -9` of a router is in `io/kvrouter/tests/serve_e2e.rs`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use kvrouter_core::index::Index;
+use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig};
+use kvrouter_io::snapshot::SnapshotStore;
+use kvrouter_tests::NatsServer;
+use kvrouter_tests::fleet::*;
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvrouter-durability-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn start(url: &str, snapshots: Option<&Path>, durable: Option<&str>) -> Ingest {
+    Ingest::start(IngestConfig {
+        nats: nats_opts(url),
+        shards: 2,
+        recovery_timeout: Duration::from_secs(2),
+        silence_timeout: Duration::from_secs(60),
+        router_id: 7,
+        snapshot: snapshots.map(|d| SnapshotConfig {
+            dir: d.to_path_buf(),
+            interval: None,
+            on_stop: false,
+        }),
+        durable: durable.map(|consumer| DurableConfig::new("kvtest", consumer)),
+        ..Default::default()
+    })
+    .expect("ingest starts")
+}
+
+#[test]
+fn a_snapshot_restores_the_index_before_any_event_arrives() {
+    let server = NatsServer::start();
+    let snaps = dir("restore");
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let reference = reference_of(&events);
+    let first = start(&server.url(), Some(&snaps), None);
+    let fleet = publish_all(server.url(), events.clone(), true, None);
+    wait_applied(&first, &expected_last_ids(&events));
+    let info = first.snapshot_now().expect("snapshot written");
+    assert_eq!(info.blocks as usize, reference.block_count());
+    assert_eq!(info.stream_seq, None, "core mode has no stream position");
+    first.stop();
+    fleet.stop();
+
+    // No worker is publishing: everything the new ingest knows comes from the file.
+    let second = start(&server.url(), Some(&snaps), None);
+    assert_same(&second, &reference, &queries);
+    let last = expected_last_ids(&events);
+    for s in second.workers() {
+        assert_eq!(Some(last[&s.worker.worker_id]), s.last_event_id, "{s:?}");
+    }
+    let st = second.stats();
+    assert_eq!(
+        st.snapshot_restored_blocks as usize,
+        reference.block_count()
+    );
+    assert_eq!(st.snapshot_load_failures, 0);
+    let _ = std::fs::remove_dir_all(&snaps);
+}
+
+#[test]
+fn a_corrupt_or_truncated_snapshot_falls_back_to_a_full_resync() {
+    let server = NatsServer::start();
+    let snaps = dir("corrupt");
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let reference = reference_of(&events);
+    let fleet = publish_all(server.url(), events.clone(), true, None);
+    {
+        let first = start(&server.url(), Some(&snaps), None);
+        wait_applied(&first, &expected_last_ids(&events));
+        first.snapshot_now().unwrap();
+    }
+    let path = SnapshotStore::new(&snaps).path();
+    let good = std::fs::read(&path).unwrap();
+    let mut flipped = good.clone();
+    let at = good.len() / 2;
+    flipped[at] ^= 0x40;
+    for (what, bytes) in [
+        ("corrupt", flipped),
+        ("truncated", good[..good.len() - 7].to_vec()),
+    ] {
+        std::fs::write(&path, &bytes).unwrap();
+        let ingest = start(&server.url(), Some(&snaps), None);
+        assert_eq!(ingest.stats().snapshot_load_failures, 1, "{what}");
+        assert_eq!(ingest.stats().snapshot_restored_blocks, 0, "{what}");
+        // The workers still heartbeat: each is loaded from its local indexer.
+        wait_applied(&ingest, &expected_last_ids(&events));
+        assert_same(&ingest, &reference, &queries);
+        assert!(ingest.stats().dumps >= 4, "{what}: {:?}", ingest.stats());
+    }
+    fleet.stop();
+    let _ = std::fs::remove_dir_all(&snaps);
+}
+
+#[test]
+fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
+    let server = NatsServer::start();
+    let snaps = dir("readonly");
+    let (events, _) = sample();
+    let events = shift(&events);
+    let ingest = start(&server.url(), Some(&snaps), None);
+    let fleet = publish_all(server.url(), events.clone(), true, None);
+    wait_applied(&ingest, &expected_last_ids(&events));
+    ingest.snapshot_now().unwrap();
+    let path = SnapshotStore::new(&snaps).path();
+    let before = std::fs::read(&path).unwrap();
+    // Make the next write fail whatever our privileges (tests run as root, where
+    // permission bits do not stop a write): the temporary file's name is taken by a
+    // directory.
+    let blocker = snaps.join(format!(".kvrouter.snap.tmp.{}", std::process::id()));
+    std::fs::create_dir_all(&blocker).unwrap();
+    let err = ingest.snapshot_now().unwrap_err();
+    assert!(err.contains("kvrouter.snap.tmp"), "{err}");
+    assert_eq!(ingest.stats().snapshot_failures, 1);
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "the old snapshot is intact"
+    );
+    std::fs::remove_dir(&blocker).unwrap();
+    ingest
+        .snapshot_now()
+        .expect("writes again once the fault is gone");
+    assert_eq!(ingest.stats().snapshots, 2);
+    fleet.stop();
+    let _ = std::fs::remove_dir_all(&snaps);
+}
+
+#[test]
+fn durable_mode_resumes_from_the_snapshot_sequence_after_a_crash() {
+    let server = NatsServer::start();
+    let snaps = dir("durable-resume");
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let half = events.len() / 2;
+    // Workers without a local indexer: anything the stream failed to deliver would stay
+    // missing, so equality below shows the stream alone carried every event.
+    let how = Publishing {
+        durable: true,
+        ..Publishing::default()
+    };
+    let first = start(&server.url(), Some(&snaps), Some("router-a"));
+    let fleet = publish_with(server.url(), events[..half].to_vec(), how.clone());
+    wait_applied(&first, &expected_last_ids(&events[..half]));
+    let info = first.snapshot_now().unwrap();
+    assert!(info.stream_seq.is_some_and(|s| s > 0), "{info:?}");
+    fleet.stop();
+    // A crash: no snapshot on the way out; what follows is only in the stream.
+    drop(first);
+    let rest = publish_with(
+        server.url(),
+        events[half..].to_vec(),
+        Publishing {
+            first_ids: expected_last_ids(&events[..half])
+                .into_iter()
+                .map(|(w, id)| (w, id + 1))
+                .collect(),
+            ..how
+        },
+    );
+    rest.stop();
+
+    let second = start(&server.url(), Some(&snaps), Some("router-a"));
+    assert!(second.stats().snapshot_restored_blocks > 0);
+    wait_applied(&second, &expected_last_ids(&events));
+    assert_same(&second, &reference_of(&events), &queries);
+    let st = second.stats();
+    assert_eq!(st.gaps, 0, "{st:?}");
+    // Delivery resumed right after the snapshot: nothing before it came again.
+    assert_eq!(st.duplicates, 0, "{st:?}");
+    assert_eq!(st.events, (events.len() - half) as u64, "{st:?}");
+    assert!(st.js_acks > 0, "{st:?}");
+    let _ = std::fs::remove_dir_all(&snaps);
+}
+
+#[test]
+fn durable_mode_loses_nothing_when_the_broker_restarts_under_load() {
+    let mut server = NatsServer::start();
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let ingest = start(&server.url(), None, Some("router-b"));
+    let progress = Arc::new(AtomicUsize::new(0));
+    let fleet = publish_with(
+        server.url(),
+        events.clone(),
+        Publishing {
+            durable: true,
+            pace: Some(Duration::from_micros(300)),
+            progress: Some(Arc::clone(&progress)),
+            ..Publishing::default()
+        },
+    );
+    wait_until("a third published", Duration::from_secs(30), || {
+        progress.load(Ordering::Relaxed) > events.len() / 3
+    });
+    server.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    server.restart();
+    wait_applied(&ingest, &expected_last_ids(&events));
+    assert_same(&ingest, &reference_of(&events), &queries);
+    let st = ingest.stats();
+    assert!(st.nats_reconnects >= 1, "{st:?}");
+    assert!(
+        progress.load(Ordering::Relaxed) == events.len(),
+        "every event published"
+    );
+    fleet.stop();
+}
