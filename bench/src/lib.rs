@@ -8,6 +8,7 @@
 //! * [`harness`]: mock engines serving a Mooncake trace under each routing policy
 //!   (`kvrouter bench`).
 //! * [`route`]: a load generator for the routing API.
+//! * [`recovery`]: restart recovery from a snapshot, process start to serving.
 //! * `dynamo` (feature `dynamo`): the same replays through `dynamo-kv-router` 1.6.1's
 //!   `RadixTree` and `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
 //!
@@ -19,4 +20,5 @@ pub mod dynamo;
 pub mod harness;
 pub mod ingest;
 pub mod perf;
+pub mod recovery;
 pub mod route;

@@ -4,6 +4,7 @@
 //! kvrouter-bench perf LOG --index tree|reference|dynamo-radix|dynamo-crtc [--threads N] [--json]
 //! kvrouter-bench concurrent LOG --index tree|dynamo-crtc [--writers N] [--readers N] [--json]
 //! kvrouter-bench compare LOG [--runs 3] [--writers 2] [--readers 1]
+//! kvrouter-bench recovery [--blocks 1000000] [--workers 16] [--kvrouter target/release/kvrouter] [--runs 5]
 //! ```
 //!
 //! `compare` runs every index in its own process (so that RSS figures are per index),
@@ -99,6 +100,28 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// Restart recovery: a `kvrouter serve` process restoring a snapshot of `--blocks`
+    /// blocks, from spawn to serving.
+    Recovery {
+        /// Cached blocks in the snapshot.
+        #[arg(long, default_value_t = 1_000_000)]
+        blocks: u64,
+        /// Workers holding them.
+        #[arg(long, default_value_t = 16)]
+        workers: u64,
+        /// The kvrouter binary.
+        #[arg(long, default_value = "target/release/kvrouter")]
+        kvrouter: PathBuf,
+        /// NATS server.
+        #[arg(long, default_value = "nats://127.0.0.1:4222")]
+        nats: String,
+        /// Snapshot directory (a temporary one when absent).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Runs (medians are printed).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
     /// Every index, each in its own process, `--runs` times; medians and ratios.
     Compare {
         /// Replay log.
@@ -187,6 +210,38 @@ fn main() -> anyhow::Result<()> {
             runs,
             rate,
         } => ingest(&log, &nats, shards, runs, rate),
+        Cmd::Recovery {
+            blocks,
+            workers,
+            kvrouter,
+            nats,
+            dir,
+            runs,
+        } => {
+            let dir = dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("kvrouter-recovery-{}", std::process::id()))
+            });
+            let reports =
+                kvrouter_bench::recovery::run(blocks, workers, &dir, &kvrouter, &nats, runs)?;
+            let _ = std::fs::remove_dir_all(&dir);
+            let med = |f: fn(&kvrouter_bench::recovery::RecoveryReport) -> f64| {
+                median(reports.iter().map(f).collect())
+            };
+            let r = &reports[0];
+            println!(
+                "recovery ({} blocks, {} workers, snapshot {:.1} MB, median of {runs}): written in {:.0} ms \
+                 (+ {:.0} ms of shard dump); in-process restore {:.0} ms; process start to serving {:.0} ms ({:.2} s per 1 M blocks)",
+                r.blocks,
+                r.workers,
+                r.snapshot_bytes as f64 / 1e6,
+                r.write_ms,
+                med(|r| r.dump_ms),
+                med(|r| r.restore_ms),
+                med(|r| r.start_to_serving_ms),
+                med(|r| r.start_to_serving_ms) / 1e3 / (r.blocks as f64 / 1e6),
+            );
+            Ok(())
+        }
     }
 }
 
