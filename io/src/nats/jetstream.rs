@@ -57,9 +57,13 @@ async fn api(
     timeout: Duration,
 ) -> Result<serde_json::Value, JsError> {
     let payload = serde_json::to_vec(body).map_err(|e| JsError::Reply(e.to_string()))?;
-    let msg = client.request(subject, &payload, timeout).await?;
+    reply_json(&client.request(subject, &payload, timeout).await?.payload)
+}
+
+/// A JetStream reply as JSON, or its `error` as [`JsError::Api`].
+fn reply_json(payload: &[u8]) -> Result<serde_json::Value, JsError> {
     let v: serde_json::Value =
-        serde_json::from_slice(&msg.payload).map_err(|e| JsError::Reply(e.to_string()))?;
+        serde_json::from_slice(payload).map_err(|e| JsError::Reply(e.to_string()))?;
     if let Some(err) = v.get("error") {
         let e: ApiError =
             serde_json::from_value(err.clone()).map_err(|e| JsError::Reply(e.to_string()))?;
@@ -258,18 +262,7 @@ pub async fn publish_acked(
     payload: &[u8],
     timeout: Duration,
 ) -> Result<u64, JsError> {
-    let msg = client.request(subject, payload, timeout).await?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&msg.payload).map_err(|e| JsError::Reply(e.to_string()))?;
-    if let Some(err) = v.get("error") {
-        let e: ApiError =
-            serde_json::from_value(err.clone()).map_err(|e| JsError::Reply(e.to_string()))?;
-        return Err(JsError::Api {
-            code: e.code,
-            err_code: e.err_code,
-            description: e.description,
-        });
-    }
+    let v = reply_json(&client.request(subject, payload, timeout).await?.payload)?;
     v["seq"]
         .as_u64()
         .ok_or_else(|| JsError::Reply(format!("no sequence in PubAck {v}")))
