@@ -12,14 +12,28 @@ use std::time::Duration;
 
 use kvrouter_core::index::Index;
 use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig};
+use kvrouter_io::nats::Client;
 use kvrouter_io::snapshot::SnapshotStore;
-use kvrouter_tests::NatsServer;
 use kvrouter_tests::fleet::*;
+use kvrouter_tests::{NatsServer, on_glommio};
 
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvrouter-durability-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
+}
+
+/// One JetStream API call from the side (an operator, another program).
+fn js_api(url: &str, subject: &str) -> String {
+    let (url, subject) = (url.to_owned(), subject.to_owned());
+    on_glommio(move || async move {
+        let c = Client::connect(nats_opts(&url)).await.unwrap();
+        let m = c
+            .request(&subject, b"", Duration::from_secs(5))
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&m.payload).into_owned()
+    })
 }
 
 fn start(url: &str, snapshots: Option<&Path>, durable: Option<&str>) -> Ingest {
@@ -34,7 +48,10 @@ fn start(url: &str, snapshots: Option<&Path>, durable: Option<&str>) -> Ingest {
             interval: None,
             on_stop: false,
         }),
-        durable: durable.map(|consumer| DurableConfig::new("kvtest", consumer)),
+        durable: durable.map(|consumer| DurableConfig {
+            idle_heartbeat: Duration::from_millis(200),
+            ..DurableConfig::new("kvtest", consumer)
+        }),
         ..Default::default()
     })
     .expect("ingest starts")
@@ -165,13 +182,7 @@ fn durable_mode_resumes_from_the_snapshot_sequence_after_a_crash() {
     let rest = publish_with(
         server.url(),
         events[half..].to_vec(),
-        Publishing {
-            first_ids: expected_last_ids(&events[..half])
-                .into_iter()
-                .map(|(w, id)| (w, id + 1))
-                .collect(),
-            ..how
-        },
+        after(&events[..half], how),
     );
     rest.stop();
 
@@ -220,4 +231,72 @@ fn durable_mode_loses_nothing_when_the_broker_restarts_under_load() {
         "every event published"
     );
     fleet.stop();
+}
+
+/// Carries on the numbering of the workers of `before` (a second fleet after a first one).
+fn after(before: &[kvrouter_core::event::RouterEvent], how: Publishing) -> Publishing {
+    Publishing {
+        first_ids: expected_last_ids(before)
+            .into_iter()
+            .map(|(w, id)| (w, id + 1))
+            .collect(),
+        ..how
+    }
+}
+
+#[test]
+fn a_consumer_deleted_behind_the_routers_back_is_re_created() {
+    let server = NatsServer::start();
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let half = events.len() / 2;
+    let how = Publishing {
+        durable: true,
+        ..Publishing::default()
+    };
+    let ingest = start(&server.url(), None, Some("router-c"));
+    publish_with(server.url(), events[..half].to_vec(), how.clone()).stop();
+    wait_applied(&ingest, &expected_last_ids(&events[..half]));
+    let answer = js_api(&server.url(), "$JS.API.CONSUMER.DELETE.kvtest.router-c");
+    assert!(answer.contains("\"success\":true"), "{answer}");
+    publish_with(
+        server.url(),
+        events[half..].to_vec(),
+        after(&events[..half], how),
+    )
+    .stop();
+    wait_applied(&ingest, &expected_last_ids(&events));
+    assert_same(&ingest, &reference_of(&events), &queries);
+    assert!(ingest.stats().js_resets >= 1, "{:?}", ingest.stats());
+}
+
+#[test]
+fn a_stream_re_created_since_the_snapshot_is_replayed_from_its_start() {
+    let server = NatsServer::start();
+    let snaps = dir("stream-recreated");
+    let (events, queries) = sample();
+    let events = shift(&events);
+    let half = events.len() / 2;
+    let how = Publishing {
+        durable: true,
+        ..Publishing::default()
+    };
+    let first = start(&server.url(), Some(&snaps), Some("router-d"));
+    publish_with(server.url(), events[..half].to_vec(), how.clone()).stop();
+    wait_applied(&first, &expected_last_ids(&events[..half]));
+    assert!(first.snapshot_now().unwrap().stream_seq.unwrap() >= half as u64);
+    drop(first);
+    // The stream is deleted: its numbering starts over below the snapshot's sequence.
+    let answer = js_api(&server.url(), "$JS.API.STREAM.DELETE.kvtest");
+    assert!(answer.contains("\"success\":true"), "{answer}");
+    let second = start(&server.url(), Some(&snaps), Some("router-d"));
+    publish_with(
+        server.url(),
+        events[half..].to_vec(),
+        after(&events[..half], how),
+    )
+    .stop();
+    wait_applied(&second, &expected_last_ids(&events));
+    assert_same(&second, &reference_of(&events), &queries);
+    let _ = std::fs::remove_dir_all(&snaps);
 }

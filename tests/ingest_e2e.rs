@@ -52,8 +52,19 @@ fn injected_loss_is_recovered_exactly() {
     let ingest = ingest(&server.url(), 1);
     let (events, queries) = sample();
     let events = shift(&events);
-    // The publishers keep answering while we wait for the router to catch up.
-    let fleet = publish_all(server.url(), events.clone(), true, Some(10));
+    // The publishers keep answering while we wait for the router to catch up. Paced, so
+    // that most messages arrive after the dump each announcement triggers (unpaced, the
+    // dump can cover them all and no gap is ever seen).
+    let fleet = publish_with(
+        server.url(),
+        events.clone(),
+        Publishing {
+            announce: true,
+            drop_every: Some(10),
+            pace: Some(Duration::from_micros(500)),
+            ..Publishing::default()
+        },
+    );
     wait_applied(&ingest, &expected_last_ids(&events));
     assert_same(&ingest, &reference_of(&events), &queries);
     let st = ingest.stats();

@@ -236,6 +236,9 @@ pub fn encode(
                 ));
             }
         };
+        if s.blocks.is_empty() {
+            continue; // stores nothing (and `parse` refuses empty chains)
+        }
         let Some(&i) = slot.get(&e.worker()) else {
             return Err(SnapshotError::Unencodable(format!(
                 "chain of unlisted worker {}",

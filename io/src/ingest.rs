@@ -114,6 +114,8 @@ pub struct DurableConfig {
     pub ack_wait: Duration,
     /// How often applied messages are acknowledged.
     pub ack_interval: Duration,
+    /// The consumer's idle heartbeat; three missed while connected re-create the consumer.
+    pub idle_heartbeat: Duration,
 }
 
 impl DurableConfig {
@@ -126,6 +128,7 @@ impl DurableConfig {
             max_ack_pending: 16384,
             ack_wait: Duration::from_secs(30),
             ack_interval: Duration::from_millis(20),
+            idle_heartbeat: Duration::from_secs(2),
         }
     }
 }
@@ -308,8 +311,6 @@ enum ShardCmd {
         events: Vec<RouterEvent>,
         publisher: u64,
         arrived: Instant,
-        /// The JetStream sequence of the message (0 in core mode).
-        stream_seq: u64,
     },
     Heartbeat {
         worker_id: WorkerId,
@@ -341,8 +342,6 @@ enum ShardCmd {
 struct ShardPart {
     workers: Vec<WorkerRecord>,
     events: Vec<RouterEvent>,
-    /// The lowest stream sequence of an event still waiting for a recovery answer.
-    min_pending_seq: Option<u64>,
 }
 
 enum NatsCmd {
@@ -542,6 +541,7 @@ impl Ingest {
             .spawn(move || async move { nats_core.start().run(nats_rx, started_tx).await })
             .map_err(|e| IngestError::Executor(e.to_string()))?;
         threads.push(h);
+        // The NATS core's handle is last: `shutdown` joins it first.
         let ingest = Ingest {
             reader,
             counters,
@@ -648,7 +648,12 @@ impl Ingest {
                 Err(e) => tracing::error!(error = %e, "no snapshot on stop"),
             }
         }
+        // The NATS core stops first: on its way out it acknowledges through the shards, which
+        // must still be running. The shards stop once it is gone.
         let _ = self.nats_tx.send(NatsCmd::Stop);
+        if let Some(nats) = self.threads.pop() {
+            let _ = nats.join();
+        }
         for tx in &self.shard_tx {
             let _ = tx.send(ShardCmd::Stop);
         }
@@ -662,6 +667,10 @@ impl Drop for Ingest {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+fn durable_off(cfg: &IngestConfig) -> bool {
+    cfg.durable.is_none()
 }
 
 // ------------------------------------------------------------------------------ restore
@@ -698,6 +707,7 @@ fn restore(
     let shards = writers.len();
     let mut out = Restored::empty(shards);
     let started = Instant::now();
+    store.remove_stale_temporaries();
     let mapped = match store.open() {
         Ok(Some(m)) => m,
         Ok(None) => {
@@ -775,8 +785,8 @@ struct ShardCore {
     /// Workers with a local indexer (announced), with their heartbeat interval in ms.
     announced: HashMap<WorkerId, u64>,
     /// Workers waiting for a recovery answer, with the events that arrived meanwhile
-    /// (event, publisher, stream sequence).
-    recovering: HashMap<WorkerId, VecDeque<(RouterEvent, u64, u64)>>,
+    /// (event, publisher).
+    recovering: HashMap<WorkerId, VecDeque<(RouterEvent, u64)>>,
     counters: Arc<IngestCounters>,
     nats: flume::Sender<NatsCmd>,
     summaries: Summaries,
@@ -791,10 +801,9 @@ impl ShardCore {
                     events,
                     publisher,
                     arrived,
-                    stream_seq,
                 } => {
                     for e in events {
-                        self.handle(e, publisher, stream_seq);
+                        self.handle(e, publisher);
                     }
                     if let Some(mut v) = self.latencies.as_ref().and_then(|l| l.lock().ok()) {
                         v.push(arrived.elapsed().as_nanos() as u64);
@@ -853,11 +862,15 @@ impl ShardCore {
         }
     }
 
+    /// This shard's state for a snapshot. Workers waiting for a recovery answer are left
+    /// out: their state is incomplete, and a restarted router that does not know them loads
+    /// them afresh (a dump) at their next announcement.
     fn snapshot_part(&self) -> ShardPart {
         let workers = self
             .writer
             .workers()
             .into_iter()
+            .filter(|s| !self.recovering.contains_key(&s.worker.worker_id))
             .map(|s| {
                 let heartbeat = self.announced.get(&s.worker.worker_id).copied();
                 WorkerRecord {
@@ -869,17 +882,11 @@ impl ShardCore {
                 }
             })
             .collect();
-        let min_pending_seq = self
-            .recovering
-            .values()
-            .flat_map(|q| q.iter().map(|&(_, _, seq)| seq))
-            .filter(|&seq| seq > 0)
-            .min();
-        ShardPart {
-            workers,
-            events: self.writer.dump(),
-            min_pending_seq,
+        let mut events = self.writer.dump();
+        if !self.recovering.is_empty() {
+            events.retain(|e| !self.recovering.contains_key(&e.worker_id));
         }
+        ShardPart { workers, events }
     }
 
     /// Publishes the summaries of every worker (after a restore).
@@ -899,13 +906,13 @@ impl ShardCore {
         });
     }
 
-    fn handle(&mut self, e: RouterEvent, publisher: u64, stream_seq: u64) {
+    fn handle(&mut self, e: RouterEvent, publisher: u64) {
         if !e.is_worker_owned() || e.storage_tier != StorageTier::Device {
             bump(&self.counters.skipped, 1);
             return;
         }
         if let Some(queue) = self.recovering.get_mut(&e.worker_id) {
-            queue.push_back((e, publisher, stream_seq));
+            queue.push_back((e, publisher));
             return;
         }
         let w = e.worker();
@@ -927,7 +934,7 @@ impl ShardCore {
                     self.recovering
                         .entry(w.worker_id)
                         .or_default()
-                        .push_back((e, publisher, stream_seq));
+                        .push_back((e, publisher));
                     self.recover(w.worker_id, Some(w.dp_rank), Some((first, last)));
                 } else {
                     tracing::warn!(worker = %w, first, last, "gap in the events of a worker without a local indexer");
@@ -1019,8 +1026,8 @@ impl ShardCore {
                 self.ids.forget_worker(worker_id);
             }
         }
-        for (e, publisher, stream_seq) in pending {
-            self.handle(e, publisher, stream_seq);
+        for (e, publisher) in pending {
+            self.handle(e, publisher);
         }
     }
 }
@@ -1057,6 +1064,7 @@ impl NatsCoreConfig {
             dispatched_seq: Cell::new(self.stream_seq),
             snapshot_busy: Cell::new(false),
             ack_reply: RefCell::new(None),
+            consumer_ready: Cell::new(false),
         }
     }
 }
@@ -1074,6 +1082,8 @@ struct NatsCore {
     /// Durable mode: the ack subject of the last message handed to the shards, not yet
     /// acknowledged.
     ack_reply: RefCell<Option<String>>,
+    /// Durable mode: the consumer exists and delivers.
+    consumer_ready: Cell<bool>,
 }
 
 impl NatsCore {
@@ -1129,7 +1139,16 @@ impl NatsCore {
             match jetstream::ensure_stream(&client, &spec, Duration::from_secs(5)).await {
                 Ok(st) => {
                     let from = self.dispatched_seq.get();
-                    if from > 0 && st.first_seq > from + 1 {
+                    if from > st.last_seq {
+                        // The stream was re-created (or its store wiped) since the snapshot:
+                        // its numbering started over. Replay all of it.
+                        tracing::warn!(
+                            snapshot_seq = from,
+                            last_seq = st.last_seq,
+                            "the stream is behind the snapshot (re-created?): replaying it from the start"
+                        );
+                        self.dispatched_seq.set(0);
+                    } else if from > 0 && st.first_seq > from + 1 {
                         tracing::warn!(
                             snapshot_seq = from,
                             first_seq = st.first_seq,
@@ -1144,7 +1163,8 @@ impl NatsCore {
                 }
             }
         }
-        self.ready.store(true, Ordering::Release);
+        // Durable mode is ready once its consumer exists (see the liveness task).
+        self.ready.store(durable_off(&self.cfg), Ordering::Release);
         let _ = started.send(Ok(()));
         let me = Rc::new(self);
 
@@ -1155,7 +1175,7 @@ impl NatsCore {
             match events_sub {
                 Some(sub) => {
                     while let Some(msg) = sub.next().await {
-                        m.on_events(&msg.payload, 0).await;
+                        m.on_events(&msg.payload).await;
                     }
                 }
                 None => m.consume_durable(&c).await,
@@ -1229,7 +1249,9 @@ impl NatsCore {
                 m.counters
                     .nats_reconnects
                     .store(st.reconnects, Ordering::Relaxed);
-                m.ready.store(c.is_connected(), Ordering::Release);
+                let consuming = m.cfg.durable.is_none() || m.consumer_ready.get();
+                m.ready
+                    .store(c.is_connected() && consuming, Ordering::Release);
             }
         })
         .detach();
@@ -1287,6 +1309,7 @@ impl NatsCore {
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot subscribe the delivery subject");
                     glommio::timer::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
                     continue;
                 }
             };
@@ -1298,7 +1321,9 @@ impl NatsCore {
                 start_seq: (after > 0).then_some(after + 1),
                 max_ack_pending: d.max_ack_pending,
                 ack_wait: d.ack_wait,
+                idle_heartbeat: Some(d.idle_heartbeat),
             };
+            self.consumer_ready.set(false);
             if let Err(e) =
                 jetstream::recreate_consumer(client, &spec, Duration::from_secs(5)).await
             {
@@ -1311,21 +1336,59 @@ impl NatsCore {
                 continue;
             }
             backoff = Duration::from_millis(50);
+            self.consumer_ready.set(true);
             tracing::info!(consumer = %d.consumer, from_seq = after + 1, "durable consumer ready");
             let mut last_cseq = 0u64;
+            // The server sends an idle heartbeat when it has nothing to deliver; silence
+            // while connected means the consumer is gone (deleted, or lost with the broker's
+            // store).
+            let silence = d.idle_heartbeat * 3;
             loop {
-                let Some(msg) = sub.next().await else {
-                    return; // the client closed
+                let next = async { Some(sub.next().await) };
+                let timeout = async {
+                    glommio::timer::sleep(silence).await;
+                    None
+                };
+                let msg = match futures_lite::future::or(next, timeout).await {
+                    Some(Some(m)) => m,
+                    Some(None) => return, // the client closed
+                    None if client.is_connected() => {
+                        bump(&self.counters.js_resets, 1);
+                        tracing::warn!(
+                            "no deliveries nor heartbeats from the consumer: re-creating it"
+                        );
+                        break;
+                    }
+                    None => continue, // disconnected: the client reconnects
                 };
                 let Some(reply) = msg.reply else {
-                    continue; // a status message (idle heartbeat, flow control)
+                    continue; // a status message (idle heartbeat)
                 };
                 let Some(dl) = jetstream::parse_ack_subject(&reply) else {
                     bump(&self.counters.decode_errors, 1);
                     tracing::warn!(%reply, "delivery without a JetStream ack subject skipped");
                     continue;
                 };
-                if dl.consumer_seq <= last_cseq || dl.stream_seq <= self.dispatched_seq.get() {
+                let applied = dl.stream_seq <= self.dispatched_seq.get();
+                if dl.delivered == 1 && (dl.consumer_seq <= last_cseq || applied) {
+                    // A first delivery can neither repeat a consumer sequence nor go back in
+                    // the stream: the consumer or the stream was re-created behind our back.
+                    bump(&self.counters.js_resets, 1);
+                    if applied {
+                        tracing::warn!(
+                            stream_seq = dl.stream_seq,
+                            applied = self.dispatched_seq.get(),
+                            "the stream's numbering went back (re-created?): replaying it from the start"
+                        );
+                        self.dispatched_seq.set(0);
+                    } else {
+                        tracing::warn!(
+                            "the consumer was re-created by someone else (two replicas with one consumer name?)"
+                        );
+                    }
+                    break;
+                }
+                if dl.consumer_seq <= last_cseq || applied {
                     bump(&self.counters.js_redelivered, 1);
                     last_cseq = last_cseq.max(dl.consumer_seq);
                     continue;
@@ -1340,7 +1403,7 @@ impl NatsCore {
                     break;
                 }
                 last_cseq = dl.consumer_seq;
-                self.on_events(&msg.payload, dl.stream_seq).await;
+                self.on_events(&msg.payload).await;
                 self.dispatched_seq.set(dl.stream_seq);
                 *self.ack_reply.borrow_mut() = Some(reply);
             }
@@ -1364,16 +1427,18 @@ impl NatsCore {
         }
     }
 
-    /// Dumps every shard (each in its own event order, so the union covers exactly what was
-    /// handed to the shards before the request), then encodes and writes the file on a
-    /// plain thread so that this executor keeps ingesting.
+    /// Dumps every shard (each cut between two events, in its own order, so the union covers
+    /// at least every message handed to the shards before `covered` was read — possibly a
+    /// few more, whose replay is then recognised by event id), then encodes and writes the
+    /// file on a plain thread so that this executor keeps ingesting. A request made while
+    /// another snapshot is being written waits for it, then takes its own.
     async fn take_snapshot(&self) -> Result<SnapshotInfo, String> {
         let store = self
             .store
             .clone()
             .ok_or("snapshots are off (no directory)")?;
-        if self.snapshot_busy.replace(true) {
-            return Err("a snapshot is already being written".into());
+        while self.snapshot_busy.replace(true) {
+            glommio::timer::sleep(Duration::from_millis(5)).await;
         }
         let result = self.write_snapshot(store).await;
         self.snapshot_busy.set(false);
@@ -1401,7 +1466,6 @@ impl NatsCore {
         drop(tx);
         let mut workers = Vec::new();
         let mut events = Vec::new();
-        let mut seq = covered;
         for _ in 0..self.shards.len() {
             let part = rx
                 .recv_async()
@@ -1409,9 +1473,6 @@ impl NatsCore {
                 .map_err(|_| "a shard core has stopped".to_owned())?;
             workers.extend(part.workers);
             events.extend(part.events);
-            if let Some(p) = part.min_pending_seq {
-                seq = seq.min(p - 1);
-            }
         }
         let meta = SnapshotMeta {
             created_unix_ms: std::time::SystemTime::now()
@@ -1420,7 +1481,7 @@ impl NatsCore {
             router_id: self.cfg.router_id,
             stream: self.cfg.durable.as_ref().map(|d| StreamPosition {
                 stream: d.stream.clone(),
-                seq,
+                seq: covered,
             }),
             blocks: 0,
         };
@@ -1465,7 +1526,7 @@ impl NatsCore {
         }
     }
 
-    async fn on_events(&self, payload: &[u8], stream_seq: u64) {
+    async fn on_events(&self, payload: &[u8]) {
         let arrived = Instant::now();
         bump(&self.counters.messages, 1);
         let (publisher, events) = match kv::decode_message(payload) {
@@ -1488,7 +1549,6 @@ impl NatsCore {
                         events,
                         publisher,
                         arrived,
-                        stream_seq,
                     })
                     .await;
             }

@@ -130,6 +130,30 @@ impl SnapshotStore {
         self.dir.join(FILE_NAME)
     }
 
+    /// Removes temporary files left by a process killed while writing (their names carry
+    /// another process id). Call at start, before writing.
+    pub fn remove_stale_temporaries(&self) {
+        let ours = format!(".{FILE_NAME}.tmp.{}", std::process::id());
+        let prefix = format!(".{FILE_NAME}.tmp.");
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(&prefix) && name != ours && e.path().is_file() {
+                match std::fs::remove_file(e.path()) {
+                    Ok(()) => {
+                        tracing::info!(file = %e.path().display(), "removed a stale temporary snapshot")
+                    }
+                    Err(err) => {
+                        tracing::warn!(file = %e.path().display(), error = %err, "cannot remove a stale temporary snapshot")
+                    }
+                }
+            }
+        }
+    }
+
     /// Maps the current snapshot; `Ok(None)` when there is none.
     pub fn open(&self) -> Result<Option<MappedSnapshot>, SnapshotIoError> {
         let path = self.path();
@@ -189,6 +213,10 @@ mod tests {
             ..SnapshotMeta::default()
         };
         store.write(&encode(&meta, &[], &[]).unwrap()).unwrap();
+        let stale = store.dir().join(".kvrouter.snap.tmp.999999999");
+        std::fs::write(&stale, b"torn").unwrap();
+        store.remove_stale_temporaries();
+        assert!(!stale.exists());
         let m = store.open().unwrap().unwrap();
         assert_eq!(m.view().unwrap().meta().router_id, 3);
         // A corrupt file is a typed error, never a panic.

@@ -422,8 +422,14 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     ])
     .context("installing signal handlers")?;
     if let Some(sig) = signals.forever().next() {
-        tracing::info!(signal = sig, "stopping");
+        tracing::info!(signal = sig, "stopping (a second signal exits at once)");
     }
+    std::thread::spawn(move || {
+        if signals.forever().next().is_some() {
+            tracing::warn!("second signal: exiting without a clean stop");
+            std::process::exit(130);
+        }
+    });
     api.stop();
     if let Some(ingest) = ingest {
         ingest.stop();

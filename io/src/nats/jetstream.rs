@@ -172,6 +172,8 @@ pub struct ConsumerSpec {
     pub max_ack_pending: u64,
     /// Redelivery delay of an unacknowledged message.
     pub ack_wait: Duration,
+    /// Have the server send a heartbeat when it has nothing to deliver for this long.
+    pub idle_heartbeat: Option<Duration>,
 }
 
 /// Deletes the durable consumer if it exists and creates it afresh at `start_seq`, so that
@@ -199,6 +201,9 @@ pub async fn recreate_consumer(
         "replay_policy": "instant",
         "max_deliver": -1,
     });
+    if let Some(hb) = spec.idle_heartbeat {
+        config["idle_heartbeat"] = json!(hb.as_nanos() as u64);
+    }
     match spec.start_seq {
         Some(seq) => {
             config["deliver_policy"] = json!("by_start_sequence");
