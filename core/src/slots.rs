@@ -88,6 +88,7 @@ impl Slots {
             return Err(SlotError::DuplicateRequest(request_id.into()));
         }
         let w = self.workers.entry(worker).or_default();
+        w.blocks.reserve(blocks.len());
         for &b in &blocks {
             *w.blocks.entry(b).or_insert(0) += 1;
         }
@@ -198,15 +199,35 @@ impl Slots {
     }
 
     /// The cost function's view of each of `workers` for a request whose sequence hashes
-    /// are `blocks`: loads and potential decode blocks from here, device overlaps from
-    /// `overlaps`.
+    /// are `blocks` (distinct, as the sequence hashes of one prompt are): loads and potential
+    /// decode blocks from here, device overlaps from `overlaps`.
     pub fn candidates(
         &self,
         workers: &[WorkerDp],
         blocks: &[u64],
         overlaps: &OverlapScores,
     ) -> Vec<Candidate> {
-        let potential = self.potential_blocks_all(blocks);
+        // A request's sequence hashes are distinct (each names a different prefix), so unlike
+        // `potential_blocks_all` no deduplication is needed: busy workers check each block,
+        // idle ones add them all.
+        debug_assert!(
+            {
+                let mut b = blocks.to_vec();
+                b.sort_unstable();
+                b.windows(2).all(|p| p[0] != p[1])
+            },
+            "sequence hashes of one request repeat"
+        );
+        let n = blocks.len() as u64;
+        let busy: Map<WorkerDp, u64> = self
+            .workers
+            .iter()
+            .map(|(&w, s)| {
+                let new = blocks.iter().filter(|b| !s.blocks.contains_key(b)).count();
+                (w, s.blocks.len() as u64 + new as u64)
+            })
+            .collect();
+        let potential = |w: WorkerDp| busy.get(&w).copied().unwrap_or(n);
         workers
             .iter()
             .map(|&w| {

@@ -1,0 +1,109 @@
+//! Per-step cost of a routing decision outside HTTP, over a replay log's queries: JSON parse
+//! (serde_json's, the fallback path of the API), find_matches, the sequence-hash chain, the
+//! slot manager's candidates, scoring and choice, and the slot insert. Prints the steps of
+//! the p50/p90/p99/p999 decisions and the mean of the largest 1 % of queries.
+//!
+//! ```sh
+//! cargo run --release -p kvrouter-bench --example route_cost [LOG]
+//! ```
+
+use std::time::Instant;
+
+use kvrouter_bench::perf::{LoadedLog, PerfOp};
+use kvrouter_core::hash::{LocalBlockHash, sequence_hashes};
+use kvrouter_core::index::{Index, OverlapScores, TreeIndex};
+use kvrouter_core::policy::{CostConfig, Rng, choose, score};
+use kvrouter_core::slots::Slots;
+
+#[derive(serde::Deserialize)]
+struct Input {
+    block_hashes: Vec<u64>,
+}
+
+const STEPS: [&str; 7] = ["parse", "find", "seq", "cand", "score", "add", "total"];
+
+fn main() -> anyhow::Result<()> {
+    let path = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "../shared/workloads/conversation_w16_e8_c16384.jsonl.zst".to_owned());
+    let log = LoadedLog::load(std::path::Path::new(&path))?;
+    let mut index = TreeIndex::new(1);
+    for op in &log.ops {
+        if let PerfOp::Event(e) = op {
+            let _ = index.apply(e.clone());
+        }
+    }
+    let reader = index.reader();
+    let workers: Vec<_> = index.workers().iter().map(|s| s.worker).collect();
+    let bodies = log
+        .queries()
+        .map(|q| {
+            let h: Vec<u64> = q.iter().map(|l| l.0).collect();
+            Ok(format!(
+                "{{\"block_hashes\":{}}}",
+                serde_json::to_string(&h)?
+            ))
+        })
+        .collect::<anyhow::Result<Vec<String>>>()?;
+    let (mut slots, cfg, mut rng) = (Slots::new(600_000), CostConfig::default(), Rng::new(1));
+    let mut out = OverlapScores::new();
+    let mut rows: Vec<(usize, [u64; 7])> = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        let t0 = Instant::now();
+        let input: Input = serde_json::from_str(body)?;
+        let t1 = Instant::now();
+        let locals: Vec<LocalBlockHash> = input
+            .block_hashes
+            .iter()
+            .map(|&h| LocalBlockHash(h))
+            .collect();
+        reader.find_matches_into(&locals, &mut out);
+        let t2 = Instant::now();
+        let seqs: Vec<u64> = sequence_hashes(&locals).into_iter().map(|s| s.0).collect();
+        let t3 = Instant::now();
+        let candidates = slots.candidates(&workers, &seqs, &out);
+        let t4 = Instant::now();
+        let scored = score(&cfg, locals.len() as u64 * 64, 64, &candidates);
+        let c = choose(&cfg, &scored, &mut rng).ok_or_else(|| anyhow::anyhow!("no worker"))?;
+        let t5 = Instant::now();
+        let id = format!("r{i}");
+        slots.add(&id, scored[c].candidate.worker, seqs, 0, 0)?;
+        let t6 = Instant::now();
+        slots.free(&id)?;
+        let d = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
+        rows.push((
+            locals.len(),
+            [
+                d(t0, t1),
+                d(t1, t2),
+                d(t2, t3),
+                d(t3, t4),
+                d(t4, t5),
+                d(t5, t6),
+                d(t0, t6),
+            ],
+        ));
+    }
+    let show = |label: &str, len: usize, v: [u64; 7]| {
+        let steps: Vec<String> = STEPS
+            .iter()
+            .zip(v)
+            .map(|(s, ns)| format!("{s} {:.1} us", ns as f64 / 1e3))
+            .collect();
+        println!("{label} ({len} hashes): {}", steps.join(", "));
+    };
+    rows.sort_by_key(|r| r.1[6]);
+    let n = rows.len();
+    for (label, q) in [("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)] {
+        let r = &rows[((n - 1) as f64 * q) as usize];
+        show(label, r.0, r.1);
+    }
+    rows.sort_by_key(|r| r.0);
+    let big = &rows[n * 99 / 100..];
+    let mut mean = [0u64; 7];
+    for (k, m) in mean.iter_mut().enumerate() {
+        *m = big.iter().map(|r| r.1[k]).sum::<u64>() / big.len() as u64;
+    }
+    show("largest 1 % mean", big[0].0, mean);
+    Ok(())
+}
