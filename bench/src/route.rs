@@ -51,12 +51,24 @@ pub(crate) fn request(
     path: &str,
     body: &str,
 ) -> std::io::Result<Vec<u8>> {
+    request_with(stream, buf, method, path, "", body.as_bytes())
+}
+
+/// [`request`] with extra header lines (each ending in `\r\n`) and a byte body.
+pub(crate) fn request_with(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> std::io::Result<Vec<u8>> {
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {}\r\n{headers}\r\n",
         body.len()
     );
     stream.write_all(head.as_bytes())?;
-    stream.write_all(body.as_bytes())?;
+    stream.write_all(body)?;
     buf.clear();
     let mut chunk = [0u8; 16 << 10];
     loop {
@@ -89,6 +101,7 @@ pub fn run(
     rate: f64,
     duration: Duration,
     connections: usize,
+    binary: bool,
 ) -> anyhow::Result<RouteReport> {
     let mut index = TreeIndex::new(1);
     for op in &log.ops {
@@ -110,16 +123,25 @@ pub fn run(
     };
     let api = router::start(cfg, Some(view), None, 512 << 10).map_err(|e| anyhow::anyhow!(e))?;
     let addr = api.addr();
-    let bodies: Vec<String> = log
+    let bodies: Vec<Vec<u8>> = log
         .queries()
         .map(|q| {
+            if binary {
+                return q.iter().flat_map(|l| l.0.to_le_bytes()).collect();
+            }
             let hashes: Vec<u64> = q.iter().map(|l| l.0).collect();
             format!(
                 "{{\"block_hashes\":{}}}",
                 serde_json::to_string(&hashes).unwrap_or_default()
             )
+            .into_bytes()
         })
         .collect();
+    let headers = if binary {
+        format!("Content-Type: {}\r\n", kvrouter_io::router::BINARY_HASHES)
+    } else {
+        String::new()
+    };
     let per_conn_rate = if rate > 0.0 {
         rate / connections as f64
     } else {
@@ -129,6 +151,7 @@ pub fn run(
     let threads: Vec<_> = (0..connections)
         .map(|c| {
             let bodies = bodies.clone();
+            let headers = headers.clone();
             std::thread::spawn(move || -> anyhow::Result<Vec<u64>> {
                 let mut stream = TcpStream::connect(addr)?;
                 stream.set_nodelay(true)?;
@@ -148,7 +171,8 @@ pub fn run(
                     i += 1;
                     sent += 1;
                     let t = Instant::now();
-                    let answer = request(&mut stream, &mut buf, "POST", "/v1/route", body)?;
+                    let answer =
+                        request_with(&mut stream, &mut buf, "POST", "/v1/route", &headers, body)?;
                     lat.push(t.elapsed().as_nanos() as u64);
                     let v: serde_json::Value = serde_json::from_slice(&answer)?;
                     let id = v["request_id"].as_str().unwrap_or_default().to_owned();

@@ -7,7 +7,7 @@
 //!
 //! | endpoint | what |
 //! |---|---|
-//! | `POST /v1/route` | `{"token_ids": [...]}` or `{"block_hashes": [...]}`, optional `lora_name`, `request_id`, `explain` → `{"worker_id", "dp_rank", "overlap_blocks", "request_id"}` (+ `candidates` with their cost terms when `explain`) |
+//! | `POST /v1/route` | `{"token_ids": [...]}` or `{"block_hashes": [...]}`, optional `lora_name`, `request_id`, `explain` → `{"worker_id", "dp_rank", "overlap_blocks", "request_id"}` (+ `candidates` with their cost terms when `explain`). Binary framing: `Content-Type: application/x-kvrouter-block-hashes`, the body the local block hashes as little-endian u64s, `X-Request-Id` / `X-Lora-Name` headers |
 //! | `POST /v1/overlaps` | same input → `{"overlaps": [{"worker_id", "dp_rank", "blocks"}]}`: find_matches without early exit, positive counts only |
 //! | `POST /v1/requests/{id}/first_token` | the request's prefill is done: its prefill tokens are released |
 //! | `POST /v1/requests/{id}/free` | the request finished: its slots are released |
@@ -140,6 +140,43 @@ struct RouteInput {
     request_id: Option<String>,
     #[serde(default)]
     explain: bool,
+}
+
+/// The binary framing's content type: the body is the request's local block hashes, each a
+/// little-endian u64; `X-Request-Id` and `X-Lora-Name` headers stand for the JSON fields.
+pub const BINARY_HASHES: &str = "application/x-kvrouter-block-hashes";
+
+/// The input of `/v1/route` and `/v1/overlaps`, in the binary framing or as JSON.
+fn route_input(req: &Request) -> Result<RouteInput, String> {
+    let content_type = req
+        .header("content-type")
+        .and_then(|v| v.split(';').next())
+        .map(str::trim);
+    if content_type == Some(BINARY_HASHES) {
+        if !req.body.len().is_multiple_of(8) {
+            return Err(format!(
+                "a {BINARY_HASHES} body is a whole number of 8-byte hashes, not {} bytes",
+                req.body.len()
+            ));
+        }
+        let hashes = req
+            .body
+            .chunks_exact(8)
+            .map(|c| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(c);
+                U64Lenient(u64::from_le_bytes(b))
+            })
+            .collect();
+        return Ok(RouteInput {
+            token_ids: None,
+            block_hashes: Some(hashes),
+            lora_name: req.header("x-lora-name").map(str::to_owned),
+            request_id: req.header("x-request-id").map(str::to_owned),
+            explain: false,
+        });
+    }
+    parse_route_input(&req.body).map_err(|e| format!("malformed JSON: {e}"))
 }
 
 /// Parses a route body: the fast path for the common shape (`block_hashes` first, as
@@ -735,11 +772,11 @@ impl State {
             return Response::error(401, "missing or wrong bearer token");
         }
         match (req.method.as_str(), path) {
-            ("POST", "/v1/route") => match parse_route_input(&req.body) {
+            ("POST", "/v1/route") => match route_input(&req) {
                 Ok(input) => self.route(input),
-                Err(e) => Response::error(400, format!("malformed JSON: {e}")),
+                Err(e) => Response::error(400, e),
             },
-            ("POST", "/v1/overlaps") => match parse_route_input(&req.body) {
+            ("POST", "/v1/overlaps") => match route_input(&req) {
                 Ok(input) => match self.locals(&input) {
                     Ok((locals, _)) => {
                         self.counters.overlaps += 1;
@@ -761,7 +798,7 @@ impl State {
                     }
                     Err(r) => r,
                 },
-                Err(e) => Response::error(400, format!("malformed JSON: {e}")),
+                Err(e) => Response::error(400, e),
             },
             ("GET", "/v1/workers") => self.workers_json(),
             ("GET", "/metrics") => self.metrics(),

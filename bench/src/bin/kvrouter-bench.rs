@@ -99,6 +99,9 @@ enum Cmd {
         /// Runs (medians are printed).
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        /// Send the binary framing (little-endian hashes) instead of JSON.
+        #[arg(long)]
+        binary: bool,
     },
     /// Restart recovery: a `kvrouter serve` process restoring a snapshot of `--blocks`
     /// blocks, from spawn to serving.
@@ -173,6 +176,7 @@ fn main() -> anyhow::Result<()> {
             seconds,
             connections,
             runs,
+            binary,
         } => {
             let loaded = LoadedLog::load(&log)?;
             let mut reports = Vec::new();
@@ -182,6 +186,7 @@ fn main() -> anyhow::Result<()> {
                     rate,
                     std::time::Duration::from_secs(seconds),
                     connections,
+                    binary,
                 )?;
                 eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
                 reports.push(r);
@@ -190,9 +195,10 @@ fn main() -> anyhow::Result<()> {
                 median(reports.iter().map(f).collect())
             };
             println!(
-                "route ({} cached blocks, target {rate} routes/s, {connections} connection(s), median of {runs}): {:.0} routes/s; \
+                "route ({} cached blocks, {}, target {rate} routes/s, {connections} connection(s), median of {runs}): {:.0} routes/s; \
                  client-side p50/p99/p999 {:.1}/{:.1}/{:.1} us; server-side decision p50/p99/p999 {:.1}/{:.1}/{:.1} us",
                 reports[0].cached_blocks,
+                if binary { "binary framing" } else { "JSON" },
                 med(|r| r.routes_per_s),
                 med(|r| r.p50_ns as f64) / 1e3,
                 med(|r| r.p99_ns as f64) / 1e3,
