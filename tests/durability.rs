@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use kvrouter_core::event::RouterEvent;
 use kvrouter_core::index::Index;
 use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig};
 use kvrouter_io::nats::Client;
@@ -158,43 +159,81 @@ fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
     let _ = std::fs::remove_dir_all(&snaps);
 }
 
+/// The sample's events in two halves, published durably by workers without a local
+/// indexer: anything the stream failed to deliver would stay missing, so equality with the
+/// reference shows the stream alone carried every event.
+struct Halves {
+    events: Vec<RouterEvent>,
+    queries: Vec<Vec<kvrouter_core::hash::LocalBlockHash>>,
+    half: usize,
+}
+
+impl Halves {
+    fn new() -> Self {
+        let (events, queries) = sample();
+        let events = shift(&events);
+        let half = events.len() / 2;
+        Self {
+            events,
+            queries,
+            half,
+        }
+    }
+
+    fn how() -> Publishing {
+        Publishing {
+            durable: true,
+            ..Publishing::default()
+        }
+    }
+
+    /// Publishes the first half and waits until `ingest` applied it.
+    fn first(&self, url: &str, ingest: &Ingest) {
+        let part = &self.events[..self.half];
+        publish_with(url.to_owned(), part.to_vec(), Self::how()).stop();
+        wait_applied(ingest, &expected_last_ids(part));
+    }
+
+    /// Publishes the second half, carrying on the workers' numbering.
+    fn second(&self, url: &str) {
+        let how = Publishing {
+            first_ids: expected_last_ids(&self.events[..self.half])
+                .into_iter()
+                .map(|(w, id)| (w, id + 1))
+                .collect(),
+            ..Self::how()
+        };
+        publish_with(url.to_owned(), self.events[self.half..].to_vec(), how).stop();
+    }
+
+    /// Waits until `ingest` applied everything, and checks it against the reference.
+    fn check(&self, ingest: &Ingest) {
+        wait_applied(ingest, &expected_last_ids(&self.events));
+        assert_same(ingest, &reference_of(&self.events), &self.queries);
+    }
+}
+
 #[test]
 fn durable_mode_resumes_from_the_snapshot_sequence_after_a_crash() {
     let server = NatsServer::start();
     let snaps = dir("durable-resume");
-    let (events, queries) = sample();
-    let events = shift(&events);
-    let half = events.len() / 2;
-    // Workers without a local indexer: anything the stream failed to deliver would stay
-    // missing, so equality below shows the stream alone carried every event.
-    let how = Publishing {
-        durable: true,
-        ..Publishing::default()
-    };
+    let h = Halves::new();
     let first = start(&server.url(), Some(&snaps), Some("router-a"));
-    let fleet = publish_with(server.url(), events[..half].to_vec(), how.clone());
-    wait_applied(&first, &expected_last_ids(&events[..half]));
+    h.first(&server.url(), &first);
     let info = first.snapshot_now().unwrap();
     assert!(info.stream_seq.is_some_and(|s| s > 0), "{info:?}");
-    fleet.stop();
     // A crash: no snapshot on the way out; what follows is only in the stream.
     drop(first);
-    let rest = publish_with(
-        server.url(),
-        events[half..].to_vec(),
-        after(&events[..half], how),
-    );
-    rest.stop();
+    h.second(&server.url());
 
     let second = start(&server.url(), Some(&snaps), Some("router-a"));
     assert!(second.stats().snapshot_restored_blocks > 0);
-    wait_applied(&second, &expected_last_ids(&events));
-    assert_same(&second, &reference_of(&events), &queries);
+    h.check(&second);
     let st = second.stats();
     assert_eq!(st.gaps, 0, "{st:?}");
     // Delivery resumed right after the snapshot: nothing before it came again.
     assert_eq!(st.duplicates, 0, "{st:?}");
-    assert_eq!(st.events, (events.len() - half) as u64, "{st:?}");
+    assert_eq!(st.events, (h.events.len() - h.half) as u64, "{st:?}");
     assert!(st.js_acks > 0, "{st:?}");
     let _ = std::fs::remove_dir_all(&snaps);
 }
@@ -233,40 +272,16 @@ fn durable_mode_loses_nothing_when_the_broker_restarts_under_load() {
     fleet.stop();
 }
 
-/// Carries on the numbering of the workers of `before` (a second fleet after a first one).
-fn after(before: &[kvrouter_core::event::RouterEvent], how: Publishing) -> Publishing {
-    Publishing {
-        first_ids: expected_last_ids(before)
-            .into_iter()
-            .map(|(w, id)| (w, id + 1))
-            .collect(),
-        ..how
-    }
-}
-
 #[test]
 fn a_consumer_deleted_behind_the_routers_back_is_re_created() {
     let server = NatsServer::start();
-    let (events, queries) = sample();
-    let events = shift(&events);
-    let half = events.len() / 2;
-    let how = Publishing {
-        durable: true,
-        ..Publishing::default()
-    };
+    let h = Halves::new();
     let ingest = start(&server.url(), None, Some("router-c"));
-    publish_with(server.url(), events[..half].to_vec(), how.clone()).stop();
-    wait_applied(&ingest, &expected_last_ids(&events[..half]));
+    h.first(&server.url(), &ingest);
     let answer = js_api(&server.url(), "$JS.API.CONSUMER.DELETE.kvtest.router-c");
     assert!(answer.contains("\"success\":true"), "{answer}");
-    publish_with(
-        server.url(),
-        events[half..].to_vec(),
-        after(&events[..half], how),
-    )
-    .stop();
-    wait_applied(&ingest, &expected_last_ids(&events));
-    assert_same(&ingest, &reference_of(&events), &queries);
+    h.second(&server.url());
+    h.check(&ingest);
     assert!(ingest.stats().js_resets >= 1, "{:?}", ingest.stats());
 }
 
@@ -274,29 +289,16 @@ fn a_consumer_deleted_behind_the_routers_back_is_re_created() {
 fn a_stream_re_created_since_the_snapshot_is_replayed_from_its_start() {
     let server = NatsServer::start();
     let snaps = dir("stream-recreated");
-    let (events, queries) = sample();
-    let events = shift(&events);
-    let half = events.len() / 2;
-    let how = Publishing {
-        durable: true,
-        ..Publishing::default()
-    };
+    let h = Halves::new();
     let first = start(&server.url(), Some(&snaps), Some("router-d"));
-    publish_with(server.url(), events[..half].to_vec(), how.clone()).stop();
-    wait_applied(&first, &expected_last_ids(&events[..half]));
-    assert!(first.snapshot_now().unwrap().stream_seq.unwrap() >= half as u64);
+    h.first(&server.url(), &first);
+    assert!(first.snapshot_now().unwrap().stream_seq.unwrap() >= h.half as u64);
     drop(first);
     // The stream is deleted: its numbering starts over below the snapshot's sequence.
     let answer = js_api(&server.url(), "$JS.API.STREAM.DELETE.kvtest");
     assert!(answer.contains("\"success\":true"), "{answer}");
     let second = start(&server.url(), Some(&snaps), Some("router-d"));
-    publish_with(
-        server.url(),
-        events[half..].to_vec(),
-        after(&events[..half], how),
-    )
-    .stop();
-    wait_applied(&second, &expected_last_ids(&events));
-    assert_same(&second, &reference_of(&events), &queries);
+    h.second(&server.url());
+    h.check(&second);
     let _ = std::fs::remove_dir_all(&snaps);
 }

@@ -169,17 +169,29 @@ pub fn http(
     body: &str,
     headers: &[(&str, &str)],
 ) -> (u16, String) {
+    http_bytes(addr, method, path, body.as_bytes(), headers)
+}
+
+/// [`http`] with a byte body (the binary framing).
+pub fn http_bytes(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    headers: &[(&str, &str)],
+) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect to the API");
     let extra: String = headers
         .iter()
         .map(|(k, v)| format!("{k}: {v}\r\n"))
         .collect();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n{extra}\r\n{body}",
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n{extra}\r\n",
         body.len()
     );
-    s.write_all(req.as_bytes()).expect("send");
+    s.write_all(head.as_bytes()).expect("send");
+    s.write_all(body).expect("send");
     let mut resp = String::new();
     s.read_to_string(&mut resp).expect("read");
     let status = resp

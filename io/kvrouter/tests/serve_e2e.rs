@@ -22,7 +22,7 @@ use kvrouter_io::worker::{KvPublisher, PublisherOptions};
 use kvrouter_tests::fleet::{
     Publishing, expected_last_ids, publish_with, reference_of, sample, shift,
 };
-use kvrouter_tests::{NatsServer, http, on_glommio};
+use kvrouter_tests::{NatsServer, http, http_bytes, on_glommio};
 use serde_json::Value;
 
 struct Router {
@@ -178,41 +178,24 @@ fn three_replicas_route_track_loads_and_converge() {
     );
 
     // The binary framing: the same query as little-endian hashes.
-    let raw = |body: &[u8], headers: &str| -> (u16, Value) {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&replicas[0].addr).unwrap();
-        let head = format!(
-            "POST /v1/overlaps HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n{headers}\r\n",
-            body.len()
-        );
-        s.write_all(head.as_bytes()).unwrap();
-        s.write_all(body).unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let status = resp
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = resp
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+    let raw = |body: &[u8]| {
+        let ct = ("Content-Type", "application/x-kvrouter-block-hashes");
+        json(http_bytes(
+            &replicas[0].addr,
+            "POST",
+            "/v1/overlaps",
+            body,
+            &[ct],
+        ))
     };
     let binary: Vec<u8> = la[..12].iter().flat_map(|h| h.0.to_le_bytes()).collect();
-    let ct = "Content-Type: application/x-kvrouter-block-hashes\r\n";
-    let (status, v) = raw(&binary, ct);
+    let (status, v) = raw(&binary);
     assert_eq!(status, 200, "{v}");
     assert_eq!(
         v["overlaps"],
         serde_json::json!([{"worker_id": A, "dp_rank": 0, "blocks": 12}])
     );
-    assert_eq!(
-        raw(&binary[..13], ct).0,
-        400,
-        "not a whole number of hashes"
-    );
+    assert_eq!(raw(&binary[..13]).0, 400, "not a whole number of hashes");
 
     // Route: the worker holding the prompt wins.
     let body = format!(
