@@ -362,10 +362,8 @@ type Summaries = Arc<Mutex<HashMap<WorkerDp, WorkerSummary>>>;
 
 /// A running ingest. Dropping it stops the executors.
 pub struct Ingest {
-    reader: TreeReader,
-    counters: Arc<IngestCounters>,
-    ready: Arc<AtomicBool>,
-    summaries: Vec<Summaries>,
+    /// Lookups, readiness, counters and summaries: what the ingest shares with readers.
+    view: IngestView,
     shard_tx: Vec<flume::Sender<ShardCmd>>,
     nats_tx: flume::Sender<NatsCmd>,
     latencies: Arc<Mutex<Vec<u64>>>,
@@ -543,10 +541,12 @@ impl Ingest {
         threads.push(h);
         // The NATS core's handle is last: `shutdown` joins it first.
         let ingest = Ingest {
-            reader,
-            counters,
-            ready,
-            summaries,
+            view: IngestView {
+                reader,
+                counters,
+                ready,
+                summaries,
+            },
             shard_tx,
             nats_tx,
             latencies,
@@ -562,52 +562,32 @@ impl Ingest {
 
     /// Lock-free lookups into the index this ingest feeds.
     pub fn reader(&self) -> TreeReader {
-        self.reader.clone()
+        self.view.reader.clone()
     }
 
     /// A `Send + Sync` view for other executors (the routing API).
     pub fn view(&self) -> IngestView {
-        IngestView {
-            reader: self.reader.clone(),
-            counters: Arc::clone(&self.counters),
-            ready: Arc::clone(&self.ready),
-            summaries: self.summaries.clone(),
-        }
+        self.view.clone()
     }
 
     /// Whether the NATS subscriptions are active (false while reconnecting).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.view.is_ready()
     }
 
     /// Counters.
     pub fn stats(&self) -> IngestStats {
-        self.counters.snapshot()
+        self.view.stats()
     }
 
     /// Known (worker, dp rank)s with their block counts and last applied event ids.
     pub fn workers(&self) -> Vec<WorkerSummary> {
-        let mut v: Vec<WorkerSummary> = self
-            .summaries
-            .iter()
-            .flat_map(|s| {
-                s.lock()
-                    .map(|m| m.values().copied().collect::<Vec<_>>())
-                    .unwrap_or_default()
-            })
-            .collect();
-        v.sort_by_key(|s| s.worker);
-        v
+        self.view.workers()
     }
 
     /// The last applied event id of one (worker, dp rank).
     pub fn last_event_id(&self, worker: WorkerDp) -> Option<u64> {
-        let shard = shard_for(worker.worker_id, self.summaries.len());
-        self.summaries[shard]
-            .lock()
-            .ok()?
-            .get(&worker)
-            .and_then(|s| s.last_event_id)
+        self.view.last_event_id(worker)
     }
 
     /// Arrival-to-visible latencies recorded so far, ns (with `record_latency`).
@@ -667,10 +647,6 @@ impl Drop for Ingest {
     fn drop(&mut self) {
         self.shutdown();
     }
-}
-
-fn durable_off(cfg: &IngestConfig) -> bool {
-    cfg.durable.is_none()
 }
 
 // ------------------------------------------------------------------------------ restore
@@ -1164,7 +1140,8 @@ impl NatsCore {
             }
         }
         // Durable mode is ready once its consumer exists (see the liveness task).
-        self.ready.store(durable_off(&self.cfg), Ordering::Release);
+        self.ready
+            .store(self.cfg.durable.is_none(), Ordering::Release);
         let _ = started.send(Ok(()));
         let me = Rc::new(self);
 
