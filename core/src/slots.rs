@@ -207,9 +207,9 @@ impl Slots {
         blocks: &[u64],
         overlaps: &OverlapScores,
     ) -> Vec<Candidate> {
-        // A request's sequence hashes are distinct (each names a different prefix), so unlike
-        // `potential_blocks_all` no deduplication is needed: busy workers check each block,
-        // idle ones add them all.
+        // [`Self::potential_blocks`] for every worker at once. A request's sequence hashes
+        // are distinct (each names a different prefix), so no deduplication is needed: busy
+        // workers check each block, idle ones add them all.
         debug_assert!(
             {
                 let mut b = blocks.to_vec();
@@ -242,28 +242,6 @@ impl Slots {
                 }
             })
             .collect()
-    }
-
-    /// [`Self::potential_blocks`] for every worker at once: the request's blocks are
-    /// deduplicated once and checked only against workers that have active blocks (idle
-    /// workers simply add them all). Returns a function of the worker.
-    pub fn potential_blocks_all(&self, blocks: &[u64]) -> impl Fn(WorkerDp) -> u64 + '_ {
-        let mut unique: Vec<u64> = blocks.to_vec();
-        unique.sort_unstable();
-        unique.dedup();
-        let n = unique.len() as u64;
-        let busy: Map<WorkerDp, u64> = self
-            .workers
-            .iter()
-            .map(|(&w, s)| {
-                (
-                    w,
-                    s.blocks.len() as u64
-                        + unique.iter().filter(|b| !s.blocks.contains_key(b)).count() as u64,
-                )
-            })
-            .collect();
-        move |w| busy.get(&w).copied().unwrap_or(n)
     }
 
     /// Workers with active requests.
@@ -331,10 +309,12 @@ mod tests {
             }
         );
         assert_eq!(s.potential_blocks(A, &[1, 5, 5, 6]), 6);
-        {
-            let all = s.potential_blocks_all(&[1, 5, 5, 6]);
-            assert_eq!((all(A), all(WorkerDp::new(9, 0))), (6, 3));
-        }
+        // `candidates` counts the same, for every worker at once.
+        let idle = WorkerDp::new(9, 0);
+        let c = s.candidates(&[A, idle], &[1, 5, 6], &OverlapScores::new());
+        let potential: Vec<u64> = c.iter().map(|c| c.potential_decode_blocks).collect();
+        assert_eq!(potential, [6, 3]);
+        assert_eq!(potential[0], s.potential_blocks(A, &[1, 5, 6]));
         s.mark_prefill_done("r1", 10).unwrap();
         assert_eq!(s.load(A).active_prefill_tokens, 100);
         s.free("r1").unwrap();
