@@ -520,9 +520,11 @@ impl State {
         let cached_tokens = chosen.device_overlap_blocks as u64 * self.cfg.block_size as u64;
         let prefill = tokens.saturating_sub(cached_tokens);
         let now = self.now_ms();
+        // The replicas need their own copy of the blocks; without replica sync, no copy.
+        let replicated = self.replica_tx.is_some().then(|| seqs.clone());
         if let Err(e) = self
             .slots
-            .add(&request_id, chosen.worker, seqs.clone(), prefill, now)
+            .add(&request_id, chosen.worker, seqs, prefill, now)
         {
             self.counters.client_errors += 1;
             return Response::error(409, e.to_string());
@@ -530,20 +532,22 @@ impl State {
         if !self.cfg.kv_events {
             self.approx.record(chosen.worker, &locals, now);
         }
-        self.replicate(
-            &request_id,
-            chosen.worker,
-            input.lora_name.clone(),
-            ActiveSequenceEventData::AddRequest {
-                token_sequence: Some(seqs),
-                track_prefill_tokens: true,
-                expected_output_tokens: None,
-                prefill_load_hint: Some(PrefillLoadHint {
-                    initial_effective_prefill_tokens: prefill,
-                    expected_prefill_duration: None,
-                }),
-            },
-        );
+        if let Some(seqs) = replicated {
+            self.replicate(
+                &request_id,
+                chosen.worker,
+                input.lora_name.clone(),
+                ActiveSequenceEventData::AddRequest {
+                    token_sequence: Some(seqs),
+                    track_prefill_tokens: true,
+                    expected_output_tokens: None,
+                    prefill_load_hint: Some(PrefillLoadHint {
+                        initial_effective_prefill_tokens: prefill,
+                        expected_prefill_duration: None,
+                    }),
+                },
+            );
+        }
         self.counters.routes += 1;
         let out = RouteOutput {
             worker_id: chosen.worker.worker_id,
