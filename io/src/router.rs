@@ -308,13 +308,16 @@ mod fast {
     mod tests {
         use super::*;
 
-        fn same(body: &str) {
+        /// Checks the fast path against serde_json; returns whether the fast path took it.
+        fn same(body: &str) -> bool {
             let slow: Result<RouteInput, _> = serde_json::from_str(body);
             // `None`: serde_json decides.
-            if let Some(fast) = route_input(body.as_bytes()) {
-                let slow = slow.unwrap_or_else(|e| panic!("fast accepted {body:?}, serde: {e}"));
-                assert_eq!(format!("{fast:?}"), format!("{slow:?}"), "{body}");
-            }
+            let Some(fast) = route_input(body.as_bytes()) else {
+                return false;
+            };
+            let slow = slow.unwrap_or_else(|e| panic!("fast accepted {body:?}, serde: {e}"));
+            assert_eq!(format!("{fast:?}"), format!("{slow:?}"), "{body}");
+            true
         }
 
         #[test]
@@ -366,6 +369,7 @@ mod fast {
                 x ^= x << 17;
                 x
             };
+            let mut taken = [0u32; 2];
             for _ in 0..20_000 {
                 let mut b = base.to_vec();
                 for _ in 0..(next() % 4 + 1) {
@@ -380,9 +384,11 @@ mod fast {
                     }
                 }
                 if let Ok(text) = std::str::from_utf8(&b) {
-                    same(text);
+                    taken[usize::from(same(text))] += 1;
                 }
             }
+            // Both ways were exercised: mutants the fast path took, and ones it left.
+            assert!(taken[0] > 1000 && taken[1] > 1000, "{taken:?}");
         }
 
         #[test]
