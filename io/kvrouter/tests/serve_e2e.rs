@@ -130,26 +130,15 @@ fn three_replicas_route_track_loads_and_converge() {
             })
             .await
             .unwrap();
-            let a = KvPublisher::start(
-                client.clone(),
-                PublisherOptions {
+            for (worker, chain) in [(A, ca), (B, cb)] {
+                let opts = PublisherOptions {
                     heartbeat: Duration::from_millis(200),
-                    ..PublisherOptions::new(A)
-                },
-            )
-            .await
-            .unwrap();
-            let b = KvPublisher::start(
-                client.clone(),
-                PublisherOptions {
-                    heartbeat: Duration::from_millis(200),
-                    ..PublisherOptions::new(B)
-                },
-            )
-            .await
-            .unwrap();
-            a.stored(0, None, ca).await.unwrap();
-            b.stored(0, None, cb).await.unwrap();
+                    ..PublisherOptions::new(worker)
+                };
+                let p = KvPublisher::start(client.clone(), opts).await.unwrap();
+                // Its heartbeat and recovery tasks hold their own handles and keep running.
+                p.stored(0, None, chain).await.unwrap();
+            }
             client.flush(Duration::from_secs(5)).await.unwrap();
             while stop_rx.try_recv().is_err() {
                 glommio::timer::sleep(Duration::from_millis(20)).await;
