@@ -310,13 +310,19 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
     a
 }
 
+/// A `kvrouter` child command, logging at `KVROUTER_LOG` (`warn` by default).
+fn kvrouter(cfg: &NetConfig) -> Command {
+    let mut c = Command::new(&cfg.exe);
+    c.env(
+        "KVROUTER_LOG",
+        std::env::var("KVROUTER_LOG").unwrap_or_else(|_| "warn".into()),
+    );
+    c
+}
+
 fn spawn_router(cfg: &NetConfig, ns: &str, policy: Policy) -> anyhow::Result<(Reaped, RouterApi)> {
-    let mut child = Command::new(&cfg.exe)
+    let mut child = kvrouter(cfg)
         .args(router_args(cfg, ns, policy))
-        .env(
-            "KVROUTER_LOG",
-            std::env::var("KVROUTER_LOG").unwrap_or_else(|_| "warn".into()),
-        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -351,7 +357,7 @@ fn spawn_router(cfg: &NetConfig, ns: &str, policy: Policy) -> anyhow::Result<(Re
 
 fn spawn_engine(cfg: &NetConfig, ns: &str, index: usize) -> anyhow::Result<Reaped> {
     let e = &cfg.sim.engine;
-    let child = Command::new(&cfg.exe)
+    let child = kvrouter(cfg)
         .args([
             "bench-engine",
             "--nats",
@@ -369,10 +375,6 @@ fn spawn_engine(cfg: &NetConfig, ns: &str, index: usize) -> anyhow::Result<Reape
             "--engine-speedup",
             &e.speedup.to_string(),
         ])
-        .env(
-            "KVROUTER_LOG",
-            std::env::var("KVROUTER_LOG").unwrap_or_else(|_| "warn".into()),
-        )
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
