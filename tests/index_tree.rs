@@ -21,6 +21,12 @@ fn path() -> impl Strategy<Value = Vec<u8>> {
     proptest::collection::vec(0..ops::SYMBOLS, 0..=ops::MAX_PATH)
 }
 
+/// Blocks one removal names: mostly one (an eviction that reaches a branch point), often a
+/// run (a chain's tail).
+fn span() -> impl Strategy<Value = u8> {
+    prop_oneof![3 => Just(1u8), 2 => 2..=ops::MAX_PATH as u8]
+}
+
 fn naming() -> impl Strategy<Value = Naming> {
     prop_oneof![6 => Just(Naming::Chain), 1 => Just(Naming::PerWorker), 1 => Just(Naming::Slot)]
 }
@@ -29,8 +35,8 @@ fn op(workers: u8) -> impl Strategy<Value = Op> {
     prop_oneof![
         8 => (0..workers, 0..2u8, path(), 0..8u8, naming())
             .prop_map(|(worker, dp, path, from, naming)| Op::Store { worker, dp, path, from, naming }),
-        4 => (0..workers, 0..2u8, path(), naming())
-            .prop_map(|(worker, dp, path, naming)| Op::Remove { worker, dp, path, naming }),
+        4 => (0..workers, 0..2u8, path(), span(), any::<bool>(), naming())
+            .prop_map(|(worker, dp, path, span, root_first, naming)| Op::Remove { worker, dp, path, span, root_first, naming }),
         1 => (0..workers, 0..2u8).prop_map(|(worker, dp)| Op::Clear { worker, dp }),
         1 => (0..workers).prop_map(|worker| Op::RemoveWorker { worker }),
         5 => path().prop_map(|path| Op::Find { path }),
@@ -306,14 +312,39 @@ fn eviction_frees_nodes_and_memory() {
             naming: Naming::Chain,
         };
         ops::run(&mut tree, &store, round as u64);
-        for len in (1..=path.len()).rev() {
-            let rm = Op::Remove {
-                worker: round % 5,
-                dp: 0,
-                path: path[..len].to_vec(),
-                naming: Naming::Chain,
-            };
-            assert!(matches!(ops::run(&mut tree, &rm, 0), OpResult::Applied(o) if o.removed == 1));
+        let rm = |path: &[u8], span: usize, root_first: bool| Op::Remove {
+            worker: round % 5,
+            dp: 0,
+            path: path.to_vec(),
+            span: span as u8,
+            root_first,
+            naming: Naming::Chain,
+        };
+        let n = path.len() as u32;
+        match round % 3 {
+            // Block by block, tail first.
+            0 => {
+                for len in (1..=path.len()).rev() {
+                    let r = ops::run(&mut tree, &rm(&path[..len], 1, false), 0);
+                    assert!(matches!(r, OpResult::Applied(o) if o.removed == 1), "{r:?}");
+                }
+            }
+            // The whole chain in one event, tail first (one run).
+            1 => {
+                let r = ops::run(&mut tree, &rm(&path, path.len(), false), 0);
+                assert!(
+                    matches!(r, OpResult::Applied(o) if o.removed == n && o.not_found == 0),
+                    "{r:?}"
+                );
+            }
+            // Root first: the first name takes the chain with it, the rest are gone.
+            _ => {
+                let r = ops::run(&mut tree, &rm(&path, path.len(), true), 0);
+                assert!(
+                    matches!(r, OpResult::Applied(o) if o.removed == n && o.not_found == n - 1),
+                    "{r:?}"
+                );
+            }
         }
         assert_eq!((tree.block_count(), tree.node_count()), (0, 0));
     }

@@ -52,14 +52,20 @@ pub enum Op {
         /// Naming scheme.
         naming: Naming,
     },
-    /// The worker removes the block at `path` (maybe not held, maybe mid-chain).
+    /// The worker removes, in one event, the block at `path` and the `span - 1` blocks
+    /// above it (maybe not held, maybe mid-chain): tail first like an engine's leaf-first
+    /// eviction, or root first when `root_first` (whose later names are then already gone).
     Remove {
         /// Worker number.
         worker: u8,
         /// Dp rank.
         dp: u8,
-        /// Block path.
+        /// Path of the deepest block named.
         path: Vec<u8>,
+        /// Blocks named (at least one, at most the path's length).
+        span: u8,
+        /// Name the blocks from the top of the span down instead of tail first.
+        root_first: bool,
         /// Naming scheme.
         naming: Naming,
     },
@@ -140,11 +146,20 @@ impl Op {
                 worker,
                 dp,
                 path,
+                span,
+                root_first,
                 naming,
             } => (!path.is_empty()).then(|| {
+                let span = (*span as usize).clamp(1, path.len());
+                let mut names: Vec<SequenceBlockHash> = (0..span)
+                    .map(|k| name(&path[..path.len() - k], *worker, *naming))
+                    .collect();
+                if *root_first {
+                    names.reverse();
+                }
                 RouterEvent::new(
                     worker_id(*worker),
-                    KvCacheEvent::removed(event_id, *dp as u32, [name(path, *worker, *naming)]),
+                    KvCacheEvent::removed(event_id, *dp as u32, names),
                 )
             }),
             Op::Clear { worker, dp } => Some(RouterEvent::new(
@@ -187,10 +202,13 @@ impl Op {
             }
             3 | 4 => {
                 let dp = take(data)? % 2;
+                let span = take(data)?;
                 Op::Remove {
                     worker,
                     dp,
                     path: path(data)?,
+                    span: span % 8 + 1,
+                    root_first: span & 0x80 != 0,
                     naming,
                 }
             }

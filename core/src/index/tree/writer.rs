@@ -52,6 +52,14 @@ fn unpack(v: u64) -> (NodeId, u32) {
     ((v >> 32) as NodeId, v as u32)
 }
 
+/// Consecutive blocks `[lo, hi]` of one node that a removal names tail first.
+#[derive(Debug, Clone, Copy)]
+struct TailRun {
+    node: NodeId,
+    lo: u32,
+    hi: u32,
+}
+
 /// One worker's hold on one node.
 #[derive(Debug, Clone, Copy)]
 struct Holder {
@@ -332,11 +340,39 @@ impl ShardWriter {
                     warm ^= map.get(h.0).unwrap_or(0);
                 }
                 std::hint::black_box(warm);
+                // Leaf-first eviction names a chain tail first: consecutive blocks of one
+                // edge, each the worker's last there. Such a run is dropped with one
+                // coverage change instead of one per block (same final state; a reader
+                // sees the run go at once instead of block by block).
+                let mut run: Option<TailRun> = None;
                 for h in &r.block_hashes {
-                    match self.state(slot).blocks.remove(h.0) {
-                        Some(loc) => out.removed += self.drop_from(slot, loc, guard),
-                        None => out.not_found += 1,
+                    let Some(loc) = self.state(slot).blocks.remove(h.0) else {
+                        out.not_found += 1;
+                        continue;
+                    };
+                    let (x, q) = unpack(loc);
+                    if let Some(r) = run.as_mut() {
+                        if r.node == x && q + 1 == r.lo && self.nothing_below(x, slot, q) {
+                            r.lo = q;
+                            continue;
+                        }
+                        out.removed += self.drop_run(slot, r, guard);
+                        run = None;
                     }
+                    let m = &self.nodes[x as usize];
+                    let last = m.holder(slot).is_some_and(|i| m.holders[i].cutoff == q + 1);
+                    if last && self.nothing_below(x, slot, q) {
+                        run = Some(TailRun {
+                            node: x,
+                            lo: q,
+                            hi: q,
+                        });
+                    } else {
+                        out.removed += self.drop_from(slot, loc, guard);
+                    }
+                }
+                if let Some(r) = run.as_ref() {
+                    out.removed += self.drop_run(slot, r, guard);
                 }
                 self.blocks -= out.removed as usize;
                 Ok(out)
@@ -553,6 +589,28 @@ impl ShardWriter {
             }
         }
         out
+    }
+
+    /// Whether `slot` certainly holds no child of `x` attached below position `q`
+    /// (`max_kid_attach` is an upper bound: `false` may be a false alarm, which the exact
+    /// path of [`Self::drop_from`] settles).
+    #[inline]
+    fn nothing_below(&self, x: NodeId, slot: u32, q: u32) -> bool {
+        let m = &self.nodes[x as usize];
+        m.holder(slot).is_some_and(|i| {
+            let h = &m.holders[i];
+            h.kids == 0 || h.max_kid_attach <= q
+        })
+    }
+
+    /// Drops a tail run found by the removal loop: blocks `[lo, hi]` of the run's node,
+    /// the worker's last ones there, with nothing of the worker's below them. Their map
+    /// entries are already gone. Returns the blocks dropped.
+    fn drop_run(&mut self, slot: u32, run: &TailRun, guard: &Guard) -> u32 {
+        debug_assert_eq!(self.nodes[run.node as usize].cutoff(slot), run.hi + 1);
+        self.set_coverage(run.node, slot, run.lo, guard);
+        self.try_prune(run.node, guard);
+        run.hi - run.lo + 1
     }
 
     /// Drops the worker's block at `loc` and everything it holds below; its map entry for
