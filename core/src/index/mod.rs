@@ -128,9 +128,27 @@ impl ApplyError {
 
 /// Per-worker scores of one query: `(worker, score)` for every worker with a positive
 /// score, sorted by worker.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct OverlapScores {
     scores: Vec<(WorkerDp, u32)>,
+    /// Scratch of [`Self::merge_run`], kept for reuse across queries; not part of the value.
+    scratch: Vec<(WorkerDp, u32)>,
+}
+
+impl PartialEq for OverlapScores {
+    fn eq(&self, other: &Self) -> bool {
+        self.scores == other.scores
+    }
+}
+
+impl Eq for OverlapScores {}
+
+impl std::fmt::Debug for OverlapScores {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OverlapScores")
+            .field("scores", &self.scores)
+            .finish()
+    }
 }
 
 impl OverlapScores {
@@ -158,6 +176,38 @@ impl OverlapScores {
         self.scores.sort_unstable_by_key(|&(w, _)| w);
         debug_assert!(
             self.scores.windows(2).all(|p| p[0].0 != p[1].0),
+            "a worker scored twice"
+        );
+    }
+
+    /// Merges the entries pushed since `start`, sorted by worker, into the sorted entries
+    /// before them (for backends that emit sorted runs: no sort, one pass). The two runs
+    /// must not share a worker.
+    pub fn merge_run(&mut self, start: usize) {
+        let s = &mut self.scores;
+        debug_assert!(
+            s[start..].windows(2).all(|p| p[0].0 < p[1].0),
+            "unsorted run"
+        );
+        if start == 0 || start == s.len() || s[start - 1].0 < s[start].0 {
+            return;
+        }
+        let left = &mut self.scratch;
+        left.clear();
+        left.extend_from_slice(&s[..start]);
+        let (mut i, mut j, mut k) = (0, start, 0);
+        while i < left.len() {
+            if j < s.len() && s[j].0 < left[i].0 {
+                s[k] = s[j];
+                j += 1;
+            } else {
+                s[k] = left[i];
+                i += 1;
+            }
+            k += 1;
+        }
+        debug_assert!(
+            s.windows(2).all(|p| p[0].0 < p[1].0),
             "a worker scored twice"
         );
     }
@@ -254,4 +304,44 @@ pub trait Index {
     /// in a non-empty one): per worker a `Cleared`, then `Stored` chains parent-first. Every
     /// event of a worker carries that worker's last event id.
     fn dump(&self) -> Vec<RouterEvent>;
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn scores(ws: &[u64]) -> Vec<(WorkerDp, u32)> {
+        ws.iter()
+            .map(|&w| (WorkerDp::new(w, 0), w as u32 + 1))
+            .collect()
+    }
+
+    #[test]
+    fn merge_run_equals_a_sort() {
+        let cases: [(&[u64], &[u64]); 6] = [
+            (&[], &[]),
+            (&[], &[1, 5]),
+            (&[2, 4], &[]),
+            (&[1, 2], &[3, 9]),
+            (&[3, 9], &[1, 2]),
+            (&[1, 4, 6, 10], &[0, 2, 5, 11, 12]),
+        ];
+        for (a, b) in cases {
+            let mut o = OverlapScores::new();
+            for &(w, s) in scores(a).iter().chain(&scores(b)) {
+                o.push(w, s);
+            }
+            o.merge_run(a.len());
+            let mut want = scores(a);
+            want.extend(scores(b));
+            want.sort();
+            assert_eq!(o.as_slice(), &want[..], "{a:?} + {b:?}");
+            // The scratch is not part of the value.
+            let mut fresh = OverlapScores::new();
+            for &(w, s) in &want {
+                fresh.push(w, s);
+            }
+            assert_eq!(o, fresh);
+        }
+    }
 }

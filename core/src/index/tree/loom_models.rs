@@ -136,6 +136,7 @@ fn loom_models_store_evict_lookup() {
         });
         let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2)]);
         assert!(got.max_score() <= 2);
+        assert!(got.iter().all(|(w, _)| w.worker_id == 9));
         let w = t.join().unwrap();
         assert_eq!(
             reader
@@ -143,6 +144,49 @@ fn loom_models_store_evict_lookup() {
                 .max_score(),
             1
         );
+        drop(w);
+    });
+}
+
+/// Slot assignment: the slot table entry and the slot order are published before the
+/// worker's first bit, so a reader attributes every score to the right worker and emits
+/// the answer sorted by worker, while a second worker (sorting before the first) arrives.
+#[test]
+fn loom_models_slot_order_publication() {
+    model(|| {
+        let mut w = ShardWriter::new();
+        let reader = TreeReader {
+            shards: vec![std::sync::Arc::clone(w.shared())].into(),
+        };
+        let t = thread::spawn(move || {
+            for (i, worker) in [9u64, 3].into_iter().enumerate() {
+                let store = RouterEvent::new(
+                    worker,
+                    KvCacheEvent::stored(
+                        i as u64,
+                        0,
+                        None,
+                        [(LocalBlockHash(1), SequenceBlockHash(11))],
+                    ),
+                );
+                w.apply_event(&store).unwrap();
+            }
+            w
+        });
+        let got = reader.find_matches(&[LocalBlockHash(1)]);
+        let workers: Vec<u64> = got.iter().map(|(w, _)| w.worker_id).collect();
+        assert!(
+            matches!(workers.as_slice(), [] | [9] | [3] | [3, 9]),
+            "{workers:?}"
+        );
+        assert!(got.iter().all(|(_, s)| s == 1));
+        let w = t.join().unwrap();
+        let workers: Vec<u64> = reader
+            .find_matches(&[LocalBlockHash(1)])
+            .iter()
+            .map(|(w, _)| w.worker_id)
+            .collect();
+        assert_eq!(workers, [3, 9]);
         drop(w);
     });
 }

@@ -9,7 +9,8 @@
 //! worker is applied by that core, so per-worker order needs no lock and the writer never
 //! contends with another writer (no CAS loops, no lock on shared nodes). Readers
 //! ([`TreeReader`]) walk every shard's tree and merge the scores; worker sets of shards are
-//! disjoint, so merging is concatenation.
+//! disjoint, and each shard emits its scores in worker order (a slot order the writer
+//! publishes), so merging is one linear pass, with no sort.
 //!
 //! The alternative — one tree shared by all writer cores, with atomic worker bitsets per
 //! node — saves the per-shard walks (one walk instead of S) and shares prefixes across
@@ -171,9 +172,12 @@ impl TreeReader {
         let q = local_hashes_as_u64(query);
         let guard = crossbeam_epoch::pin();
         for shard in self.shards.iter() {
+            // Each shard appends its scores sorted by worker; worker sets of shards are
+            // disjoint, so merging the runs gives the sorted answer.
+            let start = out.len();
             reader::find_in_shard(shard, q, out, &guard);
+            out.merge_run(start);
         }
-        out.finish();
     }
 
     /// The scores of `query`.

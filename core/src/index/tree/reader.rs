@@ -6,21 +6,33 @@
 //! continues the query, and keeps the workers that hold the node up to the divergence point
 //! *and* hold the child; every worker that drops out is scored once. The cost is O(depth)
 //! word operations plus one entry per worker that drops out, and the walk stops as soon as
-//! no worker can match further.
+//! no worker can match further. Scores are kept per slot and emitted in the shard's
+//! [`SlotOrder`], so each shard's answer comes out sorted by worker without a sort.
 
 use crossbeam_epoch::Guard;
 use smallvec::SmallVec;
 
 use super::raw::bits::for_each_set;
 use super::raw::node::Node;
-use super::writer::{ShardShared, SlotTable};
+use super::writer::{ShardShared, SlotOrder, SlotTable};
 use crate::index::OverlapScores;
 use crate::sync::Ordering;
 
 type Words = SmallVec<[u64; 4]>;
 
-/// Scores every worker of `shard` for `query` (local hashes as `u64`), pushing positive
-/// scores into `out` (not finished).
+/// `n` zero words, without the element-by-element fill of `smallvec![0; n]` when they fit
+/// inline.
+#[inline]
+fn zeros(n: usize) -> Words {
+    if n <= 4 {
+        Words::from_buf_and_len([0; 4], n)
+    } else {
+        smallvec::smallvec![0; n]
+    }
+}
+
+/// Scores every worker of `shard` for `query` (local hashes as `u64`), appending the
+/// positive scores to `out` sorted by worker.
 pub(crate) fn find_in_shard(
     shard: &ShardShared,
     query: &[u64],
@@ -35,9 +47,35 @@ pub(crate) fn find_in_shard(
     // so it outlives `guard`.
     let slots: &SlotTable = unsafe { slots_ptr.deref() };
     let nwords = slots.cap().div_ceil(64).max(1);
-    let mut active: Words = smallvec::smallvec![0; nwords];
+    let mut active: Words = zeros(nwords);
+    // Bits beyond this table's capacity are left out: they belong to slots added after the
+    // table was loaded, which this lookup does not score.
     shard.root.any.or_into(&mut active, guard);
+    // Loaded after the root's `any`: holds every slot set there (see `SlotOrder`).
+    let order_ptr = shard.order.load(Ordering::Acquire, guard);
+    // SAFETY: replaced only by the writer and freed through the collector.
+    let order: &SlotOrder = unsafe { order_ptr.deref() };
+    // Scores by slot: on the stack for up to 64 slots (one bitset word).
+    let mut small = [0u32; 64];
+    let mut big: Vec<u32>;
+    let scores: &mut [u32] = if nwords == 1 {
+        &mut small
+    } else {
+        big = vec![0; nwords * 64];
+        &mut big
+    };
+    walk(shard, query, &mut active, scores, guard);
+    for &slot in order.0.iter() {
+        match scores.get(slot as usize) {
+            Some(&score) if score > 0 => out.push(slots.get(slot), score),
+            _ => {}
+        }
+    }
+}
 
+/// The walk: writes each worker's score into `scores[slot]`.
+fn walk(shard: &ShardShared, query: &[u64], active: &mut [u64], scores: &mut [u32], guard: &Guard) {
+    let nwords = active.len();
     let root_children = shard.root.children.load(Ordering::Acquire, guard);
     // SAFETY: child tables are freed through the collector after being replaced.
     let Some(mut node) =
@@ -45,10 +83,14 @@ pub(crate) fn find_in_shard(
     else {
         return;
     };
-    node.any.and_into(&mut active, guard);
+    node.any.and_into(active, guard);
     let mut depth = 0usize;
-    let mut reach: Words = smallvec::smallvec![0; nwords];
-    let mut keep: Words = smallvec::smallvec![0; nwords];
+    // Plain slices over the buffers (one inline-or-heap check each, not one per access);
+    // `active` and `keep` swap roles at every level.
+    let (mut reach_buf, mut keep_buf) = (zeros(nwords), zeros(nwords));
+    let reach: &mut [u64] = &mut reach_buf;
+    let mut keep: &mut [u64] = &mut keep_buf;
+    let mut active: &mut [u64] = active;
     let mut partials: SmallVec<[(u32, u32); 8]> = SmallVec::new();
     loop {
         if active.iter().all(|&w| w == 0) {
@@ -63,8 +105,8 @@ pub(crate) fn find_in_shard(
         let m = unsafe { edge.common_prefix(len, rest) };
 
         // Workers holding the node up to the divergence point `m`.
-        reach.copy_from_slice(&active);
-        node.full.and_into(&mut reach, guard);
+        reach.copy_from_slice(active);
+        node.full.and_into(reach, guard);
         partials.clear();
         let pl = node.partial.load(Ordering::Acquire, guard);
         // SAFETY: partial lists are freed through the collector after being replaced.
@@ -85,17 +127,17 @@ pub(crate) fn find_in_shard(
         } else {
             None
         };
-        keep.copy_from_slice(&reach);
+        keep.copy_from_slice(reach);
         match child {
-            Some(c) => c.any.and_into(&mut keep, guard),
+            Some(c) => c.any.and_into(keep, guard),
             None => keep.iter_mut().for_each(|w| *w = 0),
         }
         // Score the workers that stop here.
         for (a, k) in active.iter_mut().zip(keep.iter()) {
             *a &= !k;
         }
-        let full_words = &reach;
-        for_each_set(&active, |slot| {
+        let full_words = &*reach;
+        for_each_set(active, |slot| {
             let (w, b) = ((slot / 64) as usize, 1u64 << (slot % 64));
             let held = if full_words[w] & b != 0 {
                 m
@@ -107,7 +149,7 @@ pub(crate) fn find_in_shard(
                     .max()
                     .unwrap_or(0)
             };
-            out.push(slots.get(slot), (depth + held) as u32);
+            scores[slot as usize] = (depth + held) as u32;
         });
         let Some(c) = child else { return };
         std::mem::swap(&mut active, &mut keep);

@@ -150,11 +150,21 @@ impl SlotTable {
     }
 }
 
+/// Every slot ever assigned, sorted by the worker in it, so that a reader emits scores in
+/// worker order without sorting. Replaced (copy on write) whenever a slot gets a worker,
+/// *before* that worker's bit is set in the root's `any`: a reader that loads the root's
+/// `any` and then the order (both `Acquire`) finds every slot it can score in the order.
+/// A slot whose worker was removed keeps its place until it is reused; it has no bits, so
+/// it is never emitted.
+#[derive(Debug, Default)]
+pub(crate) struct SlotOrder(pub(crate) Box<[u32]>);
+
 /// The part of a shard that readers see.
 #[derive(Debug)]
 pub(crate) struct ShardShared {
     pub(crate) root: Node,
     pub(crate) slots: Atomic<SlotTable>,
+    pub(crate) order: Atomic<SlotOrder>,
 }
 
 impl Drop for ShardShared {
@@ -167,6 +177,12 @@ impl Drop for ShardShared {
                 .load(Ordering::Relaxed, crossbeam_epoch::unprotected());
             if !t.is_null() {
                 drop(t.into_owned());
+            }
+            let o = self
+                .order
+                .load(Ordering::Relaxed, crossbeam_epoch::unprotected());
+            if !o.is_null() {
+                drop(o.into_owned());
             }
         }
     }
@@ -214,6 +230,7 @@ impl ShardWriter {
         let shared = Arc::new(ShardShared {
             root: Node::new(0, ROOT, &[], 0),
             slots: Atomic::new(SlotTable::with_capacity(64)),
+            order: Atomic::new(SlotOrder::default()),
         });
         let mut root = Meta::vacant();
         root.node = &shared.root;
@@ -282,7 +299,27 @@ impl ShardWriter {
         let t = unsafe { self.shared.slots.load(Ordering::Acquire, guard).deref() };
         t.workers[slot as usize].store(worker.worker_id, Ordering::Relaxed);
         t.ranks[slot as usize].store(worker.dp_rank, Ordering::Relaxed);
-        // `Release` inside `set`: a reader that sees this bit sees the table entry.
+        // The new order: this slot moved to its worker's place (a reused slot leaves its old
+        // one). Published before the bit below, as `SlotOrder` requires.
+        let old = self.shared.order.load(Ordering::Acquire, guard);
+        // SAFETY: the order is replaced only here, by this writer, and freed through the
+        // collector.
+        let mut order: Vec<u32> = unsafe { old.deref() }
+            .0
+            .iter()
+            .copied()
+            .filter(|&s| s != slot)
+            .collect();
+        let at = order.partition_point(|&s| t.get(s) < worker);
+        order.insert(at, slot);
+        self.shared.order.store(
+            Owned::new(SlotOrder(order.into_boxed_slice())),
+            Ordering::Release,
+        );
+        // SAFETY: unreachable from `shared` now; freed after current readers unpin.
+        unsafe { guard.defer_destroy(old) };
+        // `Release` inside `set`: a reader that sees this bit sees the table entry and the
+        // order with this slot.
         self.shared.root.any.set(slot, guard);
         self.slots[slot as usize] = Some(SlotState {
             worker,

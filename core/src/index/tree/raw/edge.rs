@@ -106,7 +106,10 @@ pub(crate) fn common_prefix(a: &[u64], b: &[u64]) -> usize {
     let n = a.len().min(b.len());
     let mut i = 0;
     while i + 8 <= n {
-        if a[i..i + 8] != b[i..i + 8] {
+        // A branch-free XOR-OR over eight hashes compiles to vector ops inline, where a
+        // slice comparison calls `memcmp`.
+        let (x, y) = (&a[i..i + 8], &b[i..i + 8]);
+        if (0..8).fold(0u64, |d, k| d | (x[k] ^ y[k])) != 0 {
             break;
         }
         i += 8;
