@@ -1,22 +1,37 @@
-//! A writer-only hash map from a worker's sequence hashes to where the blocks sit
-//! (`node id << 32 | position`): hashbrown (std's `HashMap`) with a fixed 64-bit finaliser
-//! as the hash, so that runs are repeatable (callgrind) and sequential engine block ids
-//! spread evenly.
+//! Writer-only hash tables keyed by a worker's sequence hashes.
+//!
+//! [`BlockMap`] maps each name to where its block sits (`node id << 32 | position`). It is
+//! a hashbrown `HashTable` with explicit hashes: the writer hashes every name of an event
+//! once ([`name_hash`], the SplitMix64 finaliser, fixed so that runs are repeatable under
+//! callgrind and sequential engine block ids spread evenly) and reuses that hash for the
+//! lookup, the insert and the removal of the name, and inserts names it has just looked
+//! up and found absent without probing for them again.
+//!
+//! [`ChainSet`] is the per-event scratch set that checks that a stored chain names each
+//! block once: open addressing with generation stamps, so that it is never cleared.
 //!
 //! We measured a Robin Hood table with a separate tag array (non-power-of-two capacity,
 //! 7/8 load): 8 bytes per cached block smaller, but about 20 % slower on the shared replay
 //! log, where every removal is a cache miss and hashbrown's SIMD control groups probe
 //! faster. Memory stays under half of Dynamo's per block with hashbrown (docs/BENCHMARKS.md).
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
+use hashbrown::HashTable;
 
-pub(crate) use crate::hash::MixHasher;
+/// The hash of a name, as both tables use it.
+#[inline]
+pub(crate) fn name_hash(key: u64) -> u64 {
+    crate::hash::mix(key)
+}
+
+#[inline]
+fn rehash(e: &(u64, u64)) -> u64 {
+    name_hash(e.0)
+}
 
 /// See the [module docs](self).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct BlockMap {
-    map: HashMap<u64, u64, BuildHasherDefault<MixHasher>>,
+    table: HashTable<(u64, u64)>,
 }
 
 impl BlockMap {
@@ -25,56 +40,142 @@ impl BlockMap {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.map.len()
+        self.table.len()
     }
 
     /// Bytes of the table: buckets of 16 bytes plus one control byte each.
     pub(crate) fn heap_bytes(&self) -> usize {
-        let buckets = if self.map.capacity() == 0 {
+        let buckets = if self.table.capacity() == 0 {
             0
         } else {
-            (self.map.capacity() * 8 / 7).next_power_of_two()
+            (self.table.capacity() * 8 / 7).next_power_of_two()
         };
         buckets * 17
     }
 
     #[inline]
     pub(crate) fn get(&self, key: u64) -> Option<u64> {
-        self.map.get(&key).copied()
+        self.get_h(name_hash(key), key)
+    }
+
+    /// [`Self::get`] with `hash == name_hash(key)` already computed.
+    #[inline]
+    pub(crate) fn get_h(&self, hash: u64, key: u64) -> Option<u64> {
+        self.table.find(hash, |e| e.0 == key).map(|e| e.1)
     }
 
     /// Inserts or replaces; returns the old value.
     #[inline]
     pub(crate) fn insert(&mut self, key: u64, val: u64) -> Option<u64> {
-        self.map.insert(key, val)
+        match self.table.find_entry(name_hash(key), |e| e.0 == key) {
+            Ok(mut e) => Some(std::mem::replace(&mut e.get_mut().1, val)),
+            Err(_) => {
+                self.table.insert_unique(name_hash(key), (key, val), rehash);
+                None
+            }
+        }
     }
 
-    /// Removes `key`; returns its value.
+    /// Inserts a name the caller knows is absent (it looked it up since the last change),
+    /// without probing for it; `hash == name_hash(key)`.
     #[inline]
-    pub(crate) fn remove(&mut self, key: u64) -> Option<u64> {
-        self.map.remove(&key)
+    pub(crate) fn insert_absent_h(&mut self, hash: u64, key: u64, val: u64) {
+        debug_assert!(self.get_h(hash, key).is_none(), "name {key} is present");
+        self.table.insert_unique(hash, (key, val), rehash);
     }
 
-    /// Empties the map, keeping its capacity.
-    pub(crate) fn clear(&mut self) {
-        self.map.clear();
+    /// Removes `key` (`hash == name_hash(key)`); returns its value.
+    #[inline]
+    pub(crate) fn remove_h(&mut self, hash: u64, key: u64) -> Option<u64> {
+        match self.table.find_entry(hash, |e| e.0 == key) {
+            Ok(e) => Some(e.remove().0.1),
+            Err(_) => None,
+        }
     }
 
     /// Every `(key, value)`.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.map.iter().map(|(&k, &v)| (k, v))
+        self.table.iter().copied()
     }
 
     /// Removes the entries for which `drop(key, value)` is true; returns how many.
     pub(crate) fn remove_where(&mut self, mut drop: impl FnMut(u64, u64) -> bool) -> usize {
-        let before = self.map.len();
-        self.map.retain(|&k, &mut v| !drop(k, v));
-        before - self.map.len()
+        let before = self.table.len();
+        self.table.retain(|e| !drop(e.0, e.1));
+        before - self.table.len()
+    }
+}
+
+/// See the [module docs](self). Holds at most half its slots, so probes stay short.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ChainSet {
+    keys: Vec<u64>,
+    /// `stamps[i] == stamp` marks slot `i` as holding a key of the current chain.
+    stamps: Vec<u32>,
+    stamp: u32,
+}
+
+impl ChainSet {
+    /// Empties the set, sized for `n` keys.
+    pub(crate) fn begin(&mut self, n: usize) {
+        let want = (2 * n).next_power_of_two().max(16);
+        if self.keys.len() < want {
+            self.keys = vec![0; want];
+            self.stamps = vec![0; want];
+            self.stamp = 0;
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.stamps.fill(0);
+            self.stamp = 1;
+        }
+    }
+
+    #[inline]
+    fn slot(&self, hash: u64) -> usize {
+        // The high half of the hash: hashbrown places by the low bits.
+        (hash >> 32) as usize & (self.keys.len() - 1)
+    }
+
+    /// Adds `key` (`hash == name_hash(key)`); `false` if it was already in the set. At most
+    /// the `n` keys given to [`Self::begin`] may be added.
+    #[inline]
+    pub(crate) fn insert(&mut self, hash: u64, key: u64) -> bool {
+        let mask = self.keys.len() - 1;
+        let mut i = self.slot(hash);
+        while self.stamps[i] == self.stamp {
+            if self.keys[i] == key {
+                return false;
+            }
+            i = (i + 1) & mask;
+        }
+        self.stamps[i] = self.stamp;
+        self.keys[i] = key;
+        true
+    }
+
+    /// Whether `key` (`hash == name_hash(key)`) is in the set.
+    #[inline]
+    pub(crate) fn contains(&self, hash: u64, key: u64) -> bool {
+        if self.keys.is_empty() {
+            return false;
+        }
+        let mask = self.keys.len() - 1;
+        let mut i = self.slot(hash);
+        while self.stamps[i] == self.stamp {
+            if self.keys[i] == key {
+                return true;
+            }
+            i = (i + 1) & mask;
+        }
+        false
     }
 }
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use std::collections::{HashMap, HashSet};
+
     use super::*;
 
     #[test]
@@ -87,8 +188,12 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let key = (x >> 33) % 5000;
-            match x % 3 {
-                0 => assert_eq!(m.remove(key), r.remove(&key)),
+            match x % 4 {
+                0 | 1 => assert_eq!(m.remove_h(name_hash(key), key), r.remove(&key)),
+                2 if m.get_h(name_hash(key), key).is_none() => {
+                    m.insert_absent_h(name_hash(key), key, step);
+                    assert_eq!(r.insert(key, step), None);
+                }
                 _ => assert_eq!(m.insert(key, step), r.insert(key, step)),
             }
         }
@@ -100,5 +205,34 @@ mod tests {
         assert_eq!(n, r.keys().filter(|k| *k % 2 == 0).count());
         assert!(m.iter().all(|(k, _)| k % 2 == 1));
         assert!(m.heap_bytes() >= m.len() * 17);
+    }
+
+    #[test]
+    fn chain_set_finds_repeats_across_many_chains() {
+        let mut s = ChainSet::default();
+        let mut x = 7u64;
+        for chain in 0..3_000usize {
+            let n = chain % 97;
+            s.begin(n);
+            let mut seen = HashSet::new();
+            for _ in 0..n {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                // Small keys, so that chains repeat names and slots collide.
+                let key = (x >> 40) % 64;
+                let h = name_hash(key);
+                assert_eq!(s.contains(h, key), seen.contains(&key));
+                assert_eq!(s.insert(h, key), seen.insert(key));
+                assert!(s.contains(h, key));
+            }
+        }
+        // Stamps wrap around without leaking old chains' keys.
+        s.stamp = u32::MAX - 1;
+        s.begin(4);
+        assert!(s.insert(name_hash(1), 1));
+        s.begin(4);
+        assert!(!s.contains(name_hash(1), 1));
+        assert!(s.insert(name_hash(1), 1));
     }
 }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
 
-use super::blockmap::BlockMap;
+use super::blockmap::{BlockMap, ChainSet, name_hash};
 use super::garbage::{Reclaimer, Retired};
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
@@ -214,7 +214,9 @@ pub struct ShardWriter {
     recycled: Arc<Mutex<Vec<u32>>>,
     blocks: usize,
     /// Scratch set for checking that a stored chain names each block once.
-    chain: BlockMap,
+    chain: ChainSet,
+    /// Scratch: `name_hash` of each name of the event being applied.
+    hashes: Vec<u64>,
     /// Scratch: where the worker already has each name of a stored chain.
     held: Vec<Option<u64>>,
     /// Unlinked objects waiting for their grace period.
@@ -242,7 +244,8 @@ impl ShardWriter {
             slot_of: HashMap::new(),
             recycled: Arc::new(Mutex::new(Vec::new())),
             blocks: 0,
-            chain: BlockMap::new(),
+            chain: ChainSet::default(),
+            hashes: Vec::new(),
             held: Vec::new(),
             garbage: Reclaimer::new(),
         }
@@ -371,10 +374,15 @@ impl ShardWriter {
                 let mut out = ApplyOutcome::default();
                 // Look every name up first: the lookups are independent, so their cache
                 // misses overlap; the removals below then find their slots in cache.
+                // Each name is hashed once, here.
+                let mut hs = std::mem::take(&mut self.hashes);
+                hs.clear();
                 let map = self.map(slot);
                 let mut warm = 0u64;
                 for h in &r.block_hashes {
-                    warm ^= map.get(h.0).unwrap_or(0);
+                    let x = name_hash(h.0);
+                    hs.push(x);
+                    warm ^= map.get_h(x, h.0).unwrap_or(0);
                 }
                 std::hint::black_box(warm);
                 // Leaf-first eviction names a chain tail first: consecutive blocks of one
@@ -382,8 +390,8 @@ impl ShardWriter {
                 // coverage change instead of one per block (same final state; a reader
                 // sees the run go at once instead of block by block).
                 let mut run: Option<TailRun> = None;
-                for h in &r.block_hashes {
-                    let Some(loc) = self.state(slot).blocks.remove(h.0) else {
+                for (h, &x) in r.block_hashes.iter().zip(&hs) {
+                    let Some(loc) = self.state(slot).blocks.remove_h(x, h.0) else {
                         out.not_found += 1;
                         continue;
                     };
@@ -411,6 +419,7 @@ impl ShardWriter {
                 if let Some(r) = run.as_ref() {
                     out.removed += self.drop_run(slot, r, guard);
                 }
+                self.hashes = hs;
                 self.blocks -= out.removed as usize;
                 Ok(out)
             }
@@ -480,49 +489,68 @@ impl ShardWriter {
             event_id,
             block,
         };
-        self.chain.clear();
-        for b in blocks {
-            if self.chain.insert(b.block_hash.0, 1).is_some() {
-                return Err(invalid(b.block_hash));
-            }
-        }
-        if let Some(p) = parent.filter(|p| self.chain.get(p.0).is_some()) {
-            return Err(invalid(p));
+        // Each name is hashed once, here.
+        let mut hs = std::mem::take(&mut self.hashes);
+        hs.clear();
+        hs.extend(blocks.iter().map(|b| name_hash(b.block_hash.0)));
+        self.chain.begin(blocks.len());
+        let repeated = blocks
+            .iter()
+            .zip(&hs)
+            .find(|&(b, &h)| !self.chain.insert(h, b.block_hash.0))
+            .map(|(b, _)| b.block_hash)
+            .or(parent.filter(|p| self.chain.contains(name_hash(p.0), p.0)));
+        if let Some(b) = repeated {
+            self.hashes = hs;
+            return Err(invalid(b));
         }
         // Where the worker already has each name (one lookup per block, reused below until
         // a cascade or a rename changes the map).
         let mut held = std::mem::take(&mut self.held);
         held.clear();
         let map = self.map(slot);
-        held.extend(blocks.iter().map(|b| map.get(b.block_hash.0)));
+        held.extend(
+            blocks
+                .iter()
+                .zip(&hs)
+                .map(|(b, &h)| map.get_h(h, b.block_hash.0)),
+        );
         if let Some(ploc) = parent_loc {
             for (b, h) in blocks.iter().zip(&held) {
                 if h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)) {
                     self.held = held;
+                    self.hashes = hs;
                     return Err(invalid(b.block_hash));
                 }
             }
         }
-        let out = self.store_chain(slot, parent_loc, blocks, &mut held, guard);
+        let out = self.store_chain(slot, parent_loc, blocks, &hs, &mut held, guard);
         self.held = held;
+        self.hashes = hs;
         Ok(out)
     }
 
-    /// The mutation part of a store (validated by the caller). `held[i]` is the worker's
-    /// current location of `blocks[i]`'s name.
+    /// The mutation part of a store (validated by the caller). `hs[i]` is the
+    /// `name_hash` of `blocks[i]`'s name, and `held[i]` the worker's current location of
+    /// that name.
     fn store_chain(
         &mut self,
         slot: u32,
         parent_loc: Option<(NodeId, u32)>,
         blocks: &[StoredBlock],
+        hs: &[u64],
         held: &mut [Option<u64>],
         guard: &Guard,
     ) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
         // Once a cascade or rename rewrote the map, `held` is refreshed for what is left.
         let refresh = |w: &Self, held: &mut [Option<u64>], from: usize| {
-            for (h, b) in held[from..].iter_mut().zip(&blocks[from..]) {
-                *h = w.map(slot).get(b.block_hash.0);
+            for ((h, b), &x) in held[from..]
+                .iter_mut()
+                .zip(&blocks[from..])
+                .zip(&hs[from..])
+            {
+                *h = w.map(slot).get_h(x, b.block_hash.0);
             }
         };
         let (mut n, mut next) = parent_loc.map_or((ROOT, 0), |(n, p)| (n, p + 1));
@@ -541,7 +569,7 @@ impl ShardWriter {
                     continue;
                 }
                 // A moved hash: drop the old block and what the worker holds below it.
-                self.state(slot).blocks.remove(ext);
+                self.state(slot).blocks.remove_h(hs[i], ext);
                 let dropped = self.drop_from(slot, old, guard);
                 self.blocks -= dropped as usize;
                 out.removed += dropped;
@@ -576,8 +604,9 @@ impl ShardWriter {
                         .as_mut()
                         .expect("allocated")
                         .blocks;
-                    for (j, blk) in blocks[i..i + k].iter().enumerate() {
-                        map.insert(blk.block_hash.0, pack(t, p + j as u32));
+                    // Every name of the run was looked up above and is absent.
+                    for (j, (blk, &x)) in blocks[i..i + k].iter().zip(&hs[i..i + k]).enumerate() {
+                        map.insert_absent_h(x, blk.block_hash.0, pack(t, p + j as u32));
                     }
                     self.set_coverage(t, slot, p + k as u32, guard);
                     self.blocks += k;
@@ -592,7 +621,11 @@ impl ShardWriter {
                         if held[j].is_none() {
                             continue;
                         }
-                        if let Some(old) = self.state(slot).blocks.remove(blocks[j].block_hash.0) {
+                        if let Some(old) = self
+                            .state(slot)
+                            .blocks
+                            .remove_h(hs[j], blocks[j].block_hash.0)
+                        {
                             let dropped = self.drop_from(slot, old, guard);
                             self.blocks -= dropped as usize;
                             out.removed += dropped;
@@ -616,8 +649,9 @@ impl ShardWriter {
                         .as_mut()
                         .expect("allocated")
                         .blocks;
-                    for (j, blk) in rest.iter().enumerate() {
-                        map.insert(blk.block_hash.0, pack(t, start + j as u32));
+                    // The loop above removed every name of the rest that the map held.
+                    for (j, (blk, &x)) in rest.iter().zip(&hs[i..]).enumerate() {
+                        map.insert_absent_h(x, blk.block_hash.0, pack(t, start + j as u32));
                     }
                     self.blocks += rest.len();
                     out.stored += rest.len() as u32;
