@@ -69,6 +69,11 @@ pub struct PolicyReport {
     /// What the cache capacity allows: one LRU cache of all workers' blocks, requests in
     /// arrival order.
     pub capacity_prefix_hit_ratio: f64,
+    /// What the cache offered: the hit ratio had every request gone to the worker with
+    /// the longest cached prefix (by the events-fed index) when it was routed. Tells a
+    /// routing trade-off (hits below this) from hits that no choice could have had.
+    /// In-process runs only (`null` in networked mode).
+    pub offered_prefix_hit_ratio: Option<f64>,
     /// Requests per worker.
     pub requests_per_worker: Vec<u64>,
     /// Requests completed.
@@ -133,6 +138,7 @@ impl PolicyReport {
             prefix_hit_ratio,
             ideal_prefix_hit_ratio: ideals.infinite,
             capacity_prefix_hit_ratio: ideals.capacity,
+            offered_prefix_hit_ratio: None,
             requests_per_worker,
             completed,
             ttfts: ttft,
@@ -193,7 +199,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>7} {:>7} {:>9}",
+        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>7} {:>7} {:>9}",
         "policy",
         "TTFT mean",
         "p50",
@@ -204,6 +210,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
         "E2E mean",
         "req/s",
         "hit %",
+        "offered %",
         "cap %",
         "ideal %",
         "max/min"
@@ -211,7 +218,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>7.1} {:>7.1} {:>9.2}",
+            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>9} {:>7.1} {:>7.1} {:>9.2}",
             r.policy,
             r.ttft_ms.mean,
             r.ttft_ms.p50,
@@ -222,6 +229,8 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.e2e_ms.mean,
             r.throughput_rps,
             r.prefix_hit_ratio * 100.0,
+            r.offered_prefix_hit_ratio
+                .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
             r.capacity_prefix_hit_ratio * 100.0,
             r.ideal_prefix_hit_ratio * 100.0,
             r.share_ratio(),
