@@ -340,6 +340,8 @@ fn a_leaving_worker_is_removed_at_once() {
             p.leave().await.unwrap();
         })
     });
+    let view = ingest.view();
+    let empty = view.membership();
     rx.recv().unwrap();
     wait_until("the worker's block", Duration::from_secs(10), || {
         ingest
@@ -348,6 +350,13 @@ fn a_leaving_worker_is_removed_at_once() {
             .max_score()
             == 1
     });
+    // The membership counter (what the router's cached worker list keys on) moved when
+    // the worker appeared, and moves again when it leaves.
+    wait_until("the worker listed", Duration::from_secs(10), || {
+        view.workers().len() == 1
+    });
+    let joined = view.membership();
+    assert_ne!(joined, empty);
     go_tx.send(()).unwrap();
     h.join().unwrap();
     wait_until("the worker removed", Duration::from_secs(10), || {
@@ -356,6 +365,10 @@ fn a_leaving_worker_is_removed_at_once() {
             .find_matches(&[LocalBlockHash(9)])
             .is_empty()
     });
+    wait_until("the worker unlisted", Duration::from_secs(10), || {
+        view.workers().is_empty()
+    });
+    assert_ne!(view.membership(), joined);
 }
 
 #[test]

@@ -414,6 +414,8 @@ pub struct IngestView {
     counters: Arc<IngestCounters>,
     ready: Arc<AtomicBool>,
     summaries: Vec<Summaries>,
+    /// Bumped (`Release`) after any shard's summary map gains or loses a (worker, dp rank).
+    members: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for IngestView {
@@ -435,6 +437,7 @@ impl IngestView {
             counters: Arc::new(IngestCounters::default()),
             ready: Arc::new(AtomicBool::new(true)),
             summaries: vec![Arc::new(Mutex::new(map))],
+            members: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -451,6 +454,13 @@ impl IngestView {
     /// Counters.
     pub fn stats(&self) -> IngestStats {
         self.counters.snapshot()
+    }
+
+    /// A counter that changes whenever the set of known (worker, dp rank)s changes: a
+    /// caller that read it, then [`Self::workers`], may keep that worker list for as long
+    /// as the counter reads the same.
+    pub fn membership(&self) -> u64 {
+        self.members.load(Ordering::Acquire)
     }
 
     /// Known (worker, dp rank)s with block counts and last applied event ids.
@@ -503,6 +513,7 @@ impl Ingest {
         }
         let mut threads = Vec::new();
         let mut summaries = Vec::new();
+        let members = Arc::new(AtomicU64::new(0));
         let mut ids_of = restored.ids;
         let mut announced_of = restored.announced;
         for (i, (writer, rx)) in writers.into_iter().zip(shard_rx).enumerate() {
@@ -517,6 +528,7 @@ impl Ingest {
                 counters: Arc::clone(&counters),
                 nats: nats_tx.clone(),
                 summaries: sum,
+                members: Arc::clone(&members),
                 latencies: cfg.record_latency.then(|| Arc::clone(&latencies)),
             };
             shard.summarize_all();
@@ -546,6 +558,7 @@ impl Ingest {
                 counters,
                 ready,
                 summaries,
+                members,
             },
             shard_tx,
             nats_tx,
@@ -766,6 +779,8 @@ struct ShardCore {
     counters: Arc<IngestCounters>,
     nats: flume::Sender<NatsCmd>,
     summaries: Summaries,
+    /// See [`IngestView::membership`].
+    members: Arc<AtomicU64>,
     latencies: Option<Arc<Mutex<Vec<u64>>>>,
 }
 
@@ -824,7 +839,12 @@ impl ShardCore {
                     self.announced.remove(&worker_id);
                     bump(&self.counters.workers_removed, 1);
                     if let Ok(mut m) = self.summaries.lock() {
+                        let before = m.len();
                         m.retain(|w, _| w.worker_id != worker_id);
+                        if m.len() != before {
+                            drop(m);
+                            self.members.fetch_add(1, Ordering::Release);
+                        }
                     }
                 }
                 ShardCmd::Snapshot { reply } => {
@@ -949,16 +969,22 @@ impl ShardCore {
 
     fn summarize(&self, w: WorkerDp) {
         if let Ok(mut m) = self.summaries.lock() {
-            match self.writer.summary(w) {
-                Some(s) => m.insert(
-                    w,
-                    WorkerSummary {
-                        last_event_id: self.ids.last(w),
-                        ..s
-                    },
-                ),
-                None => m.remove(&w),
+            let changed = match self.writer.summary(w) {
+                Some(s) => m
+                    .insert(
+                        w,
+                        WorkerSummary {
+                            last_event_id: self.ids.last(w),
+                            ..s
+                        },
+                    )
+                    .is_none(),
+                None => m.remove(&w).is_some(),
             };
+            drop(m);
+            if changed {
+                self.members.fetch_add(1, Ordering::Release);
+            }
         }
     }
 

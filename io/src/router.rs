@@ -446,6 +446,9 @@ struct State {
     latency_pos: usize,
     replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
     scratch: OverlapScores,
+    /// The static workers and the ingest's, sorted, as of ingest membership `known_at`.
+    known: Vec<WorkerDp>,
+    known_at: Option<u64>,
 }
 
 impl State {
@@ -490,14 +493,33 @@ impl State {
         out
     }
 
-    fn known_workers(&self) -> Vec<WorkerDp> {
-        let mut set: std::collections::BTreeSet<WorkerDp> =
-            self.cfg.static_workers.iter().copied().collect();
-        if let Some(ingest) = &self.ingest {
-            set.extend(ingest.workers().into_iter().map(|s| s.worker));
+    /// Every worker a request may go to, sorted: the static ones, the ingest's and the
+    /// slot manager's. The first two are rebuilt only when the ingest's membership
+    /// counter moves (not on every route: that takes each shard's summary lock).
+    fn known_workers(&mut self) -> Vec<WorkerDp> {
+        let at = self.ingest.as_ref().map_or(0, IngestView::membership);
+        if self.known_at != Some(at) {
+            let mut v: Vec<WorkerDp> = self.cfg.static_workers.clone();
+            if let Some(ingest) = &self.ingest {
+                v.extend(ingest.workers().into_iter().map(|s| s.worker));
+            }
+            v.sort_unstable();
+            v.dedup();
+            self.known = v;
+            self.known_at = Some(at);
         }
-        set.extend(self.slots.workers().map(|(w, _)| w));
-        set.into_iter().collect()
+        let mut out = self.known.clone();
+        let before = out.len();
+        for (w, _) in self.slots.workers() {
+            if self.known.binary_search(&w).is_err() {
+                out.push(w);
+            }
+        }
+        if out.len() != before {
+            out.sort_unstable();
+            out.dedup();
+        }
+        out
     }
 
     fn route(&mut self, input: RouteInput) -> Response {
@@ -621,7 +643,7 @@ impl State {
         };
     }
 
-    fn workers_json(&self) -> Response {
+    fn workers_json(&mut self) -> Response {
         let mut rows: BTreeMap<WorkerDp, serde_json::Value> = BTreeMap::new();
         let summaries = self
             .ingest
@@ -951,6 +973,8 @@ async fn run(
         latency_pos: 0,
         replica_tx: cfg.replica_sync.then_some(replica_tx),
         scratch: OverlapScores::new(),
+        known: Vec::new(),
+        known_at: None,
         ingest,
         cfg: cfg.clone(),
     }));
