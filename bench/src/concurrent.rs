@@ -2,6 +2,12 @@
 //! run its queries (cycling through them) until every event is applied. Reports sustained
 //! event blocks/s, events/s, lookups/s and lookup latency percentiles.
 //!
+//! One pass over the shared log's events takes 0.1–0.3 s here, and with more threads than
+//! cores the scheduler's placement (which thread gets a core to itself) swings a single
+//! pass's lookups/s by 2×. `passes` applies the events several times over, each pass
+//! after the first starting with a `Cleared` event per (worker, dp rank), so that one run
+//! measures a window long enough for the placement to average out.
+//!
 //! For our tree, each writer thread owns one shard (`TreeIndex::into_parts`) and applies
 //! the events of its workers straight from memory, as a core fed by its own subscription
 //! would. For Dynamo (`crate::dynamo`), the calling thread enqueues every event into its
@@ -11,13 +17,39 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvrouter_core::event::RouterEvent;
+use kvrouter_core::event::{KvCacheEvent, KvEventData, RouterEvent};
 use kvrouter_core::hash::LocalBlockHash;
 use kvrouter_core::index::OverlapScores;
 use kvrouter_core::index::tree::{TreeIndex, shard_for};
 use serde::Serialize;
 
 use crate::perf::{LoadedLog, percentile};
+
+/// The log's events `passes` times over; each pass after the first starts with a
+/// `Cleared` event for every (worker, dp rank) of the log, so it starts from an empty
+/// cache.
+pub fn pass_events(log: &LoadedLog, passes: usize) -> Vec<RouterEvent> {
+    let events: Vec<&RouterEvent> = log.events().collect();
+    let workers: std::collections::BTreeSet<_> = events.iter().map(|e| e.worker()).collect();
+    let mut out = Vec::with_capacity(events.len() * passes.max(1) + workers.len() * passes);
+    for pass in 0..passes.max(1) {
+        if pass > 0 {
+            out.extend(workers.iter().map(|w| RouterEvent {
+                worker_id: w.worker_id,
+                storage_tier: Default::default(),
+                residency_domain: None,
+                event: KvCacheEvent {
+                    event_id: 0,
+                    data: KvEventData::Cleared,
+                    dp_rank: w.dp_rank,
+                },
+                session_id: None,
+            }));
+        }
+        out.extend(events.iter().map(|&e| e.clone()));
+    }
+    out
+}
 
 /// The result of one concurrent run. Field names are the JSON keys.
 #[derive(Debug, Clone, Serialize)]
@@ -57,6 +89,7 @@ pub fn measure<L>(
     writers: usize,
     readers: usize,
     log: &LoadedLog,
+    events: &[RouterEvent],
     lookup: L,
     write: impl FnOnce(&Barrier) -> Duration,
 ) -> ConcurrentReport
@@ -97,15 +130,16 @@ where
     let mut samples = samples;
     samples.sort_unstable();
     let secs = elapsed.as_secs_f64().max(1e-9);
-    let events = log.events().count() as u64;
+    let event_blocks: u64 = events.iter().map(|e| e.block_count() as u64).sum();
+    let events = events.len() as u64;
     ConcurrentReport {
         index: index.to_owned(),
         writers,
         readers,
         events,
-        event_blocks: log.event_blocks,
+        event_blocks,
         elapsed_s: secs,
-        event_blocks_per_s: log.event_blocks as f64 / secs,
+        event_blocks_per_s: event_blocks as f64 / secs,
         events_per_s: events as f64 / secs,
         lookups: samples.len() as u64,
         lookups_per_s: samples.len() as f64 / secs,
@@ -115,12 +149,18 @@ where
     }
 }
 
-/// Our tree with `writers` shards, one writer thread each.
-pub fn run_tree(log: &LoadedLog, writers: usize, readers: usize) -> ConcurrentReport {
+/// Our tree with `writers` shards, one writer thread each, `passes` passes over the events.
+pub fn run_tree(
+    log: &LoadedLog,
+    writers: usize,
+    readers: usize,
+    passes: usize,
+) -> ConcurrentReport {
     let writers = writers.max(1);
     let (shards, reader) = TreeIndex::new(writers).into_parts();
+    let events = pass_events(log, passes);
     let mut lists: Vec<Vec<&RouterEvent>> = vec![Vec::new(); writers];
-    for e in log.events() {
+    for e in &events {
         lists[shard_for(e.worker_id, writers)].push(e);
     }
     measure(
@@ -128,6 +168,7 @@ pub fn run_tree(log: &LoadedLog, writers: usize, readers: usize) -> ConcurrentRe
         writers,
         readers,
         log,
+        &events,
         |q, out| {
             reader.find_matches_into(q, out);
             out.max_score()

@@ -112,9 +112,15 @@ pub fn replay_thread_pool(log: &LoadedLog, threads: usize) -> PerfReport {
 
 /// Dynamo's thread pool in concurrent mode: the calling thread enqueues every event while
 /// readers look up on the shared tree; timed until the pool has applied everything.
-pub fn concurrent_thread_pool(log: &LoadedLog, threads: usize, readers: usize) -> ConcurrentReport {
+pub fn concurrent_thread_pool(
+    log: &LoadedLog,
+    threads: usize,
+    readers: usize,
+    passes: usize,
+) -> ConcurrentReport {
     let rt = runtime();
-    let events: Vec<dy::RouterEvent> = log.events().map(convert).collect();
+    let ours = crate::concurrent::pass_events(log, passes);
+    let events: Vec<dy::RouterEvent> = ours.iter().map(convert).collect();
     let pool = thread_pool(threads);
     let backend = pool.backend_arc();
     measure(
@@ -122,6 +128,7 @@ pub fn concurrent_thread_pool(log: &LoadedLog, threads: usize, readers: usize) -
         threads,
         readers,
         log,
+        &ours,
         |q, _out: &mut OverlapScores| {
             let q: Vec<dy::LocalBlockHash> = q.iter().map(|l| dy::LocalBlockHash(l.0)).collect();
             best(&backend.find_matches(&q, false))

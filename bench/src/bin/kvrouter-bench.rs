@@ -63,6 +63,11 @@ enum Cmd {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Apply the log's events this many times (each pass after the first starts with
+        /// a `Cleared` event per worker), for a measurement window long enough that the
+        /// scheduler's placement of the threads averages out.
+        #[arg(long, default_value_t = 1)]
+        passes: usize,
     },
     /// End-to-end ingest over NATS (workers publish the log's events; the router applies
     /// them), next to the broker's raw PUB/SUB rate for the same messages.
@@ -138,6 +143,9 @@ enum Cmd {
         /// Reader threads in concurrent mode.
         #[arg(long, default_value_t = 1)]
         readers: usize,
+        /// Passes over the log's events in concurrent mode (see `concurrent --passes`).
+        #[arg(long, default_value_t = 5)]
+        passes: usize,
     },
 }
 
@@ -159,9 +167,10 @@ fn main() -> anyhow::Result<()> {
             writers,
             readers,
             json,
+            passes,
         } => {
             let loaded = LoadedLog::load(&log)?;
-            let report = concurrent_one(&loaded, &index, writers, readers)?;
+            let report = concurrent_one(&loaded, &index, writers, readers, passes)?;
             emit(&report, json, print_concurrent)
         }
         Cmd::Compare {
@@ -169,7 +178,8 @@ fn main() -> anyhow::Result<()> {
             runs,
             writers,
             readers,
-        } => compare(&log, runs, writers, readers),
+            passes,
+        } => compare(&log, runs, writers, readers, passes),
         Cmd::Route {
             log,
             rate,
@@ -309,11 +319,14 @@ fn concurrent_one(
     index: &str,
     writers: usize,
     readers: usize,
+    passes: usize,
 ) -> anyhow::Result<ConcurrentReport> {
     Ok(match index {
-        "tree" => concurrent::run_tree(log, writers, readers),
+        "tree" => concurrent::run_tree(log, writers, readers, passes),
         #[cfg(feature = "dynamo")]
-        "dynamo-crtc" => kvrouter_bench::dynamo::concurrent_thread_pool(log, writers, readers),
+        "dynamo-crtc" => {
+            kvrouter_bench::dynamo::concurrent_thread_pool(log, writers, readers, passes)
+        }
         other => bail!("unknown concurrent index {other:?} (Dynamo's needs --features dynamo)"),
     })
 }
@@ -375,7 +388,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
-fn compare(log: &Path, runs: usize, writers: usize, readers: usize) -> anyhow::Result<()> {
+fn compare(
+    log: &Path,
+    runs: usize,
+    writers: usize,
+    readers: usize,
+    passes: usize,
+) -> anyhow::Result<()> {
     let log_s = log.display().to_string();
     let mut seq: Vec<(String, Vec<Value>)> = Vec::new();
     let indexes: Vec<&str> = if cfg!(feature = "dynamo") {
@@ -417,6 +436,8 @@ fn compare(log: &Path, runs: usize, writers: usize, readers: usize) -> anyhow::R
                 writers.to_string(),
                 "--readers".into(),
                 readers.to_string(),
+                "--passes".into(),
+                passes.to_string(),
                 "--json".into(),
             ])?;
             match conc.iter_mut().find(|(n, _)| n == ix) {
@@ -472,7 +493,7 @@ fn compare(log: &Path, runs: usize, writers: usize, readers: usize) -> anyhow::R
         }
     }
     println!(
-        "\n## Concurrent mode ({writers} writers, {readers} readers; median of {runs} runs)\n"
+        "\n## Concurrent mode ({writers} writers, {readers} readers, {passes} passes over the events; median of {runs} runs)\n"
     );
     println!(
         "| index | M event blocks/s | events/s | lookups/s | lookup p50 ns | p99 ns | p999 ns |"
