@@ -8,8 +8,13 @@
 //!
 //! Replica routers feed each other's decisions into the same structure (replica sync), so
 //! every replica predicts the whole fleet's load. Clock-free: times are arguments.
+//!
+//! A worker whose last request is released keeps its (empty) block map, so that a worker
+//! that goes idle between requests does not allocate and free a map per request; the map
+//! goes when the worker is removed.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use crate::hash::MixBuildHasher;
 use crate::index::OverlapScores;
@@ -140,18 +145,20 @@ impl Slots {
         let Some(w) = self.workers.get_mut(&r.worker) else {
             return;
         };
-        for b in &r.blocks {
-            if let Some(n) = w.blocks.get_mut(b) {
-                *n -= 1;
-                if *n == 0 {
-                    w.blocks.remove(b);
+        for &b in &r.blocks {
+            if let Entry::Occupied(mut e) = w.blocks.entry(b) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
                 }
             }
         }
         w.prefill_tokens -= r.prefill_tokens;
         w.requests -= 1;
         if w.requests == 0 {
-            self.workers.remove(&r.worker);
+            debug_assert!(w.blocks.is_empty() && w.prefill_tokens == 0);
+            // Empty already; this resets the removals' tombstones, keeping the capacity.
+            w.blocks.clear();
         }
     }
 
@@ -222,6 +229,7 @@ impl Slots {
         let busy: Map<WorkerDp, u64> = self
             .workers
             .iter()
+            .filter(|(_, s)| s.requests > 0)
             .map(|(&w, s)| {
                 let new = blocks.iter().filter(|b| !s.blocks.contains_key(b)).count();
                 (w, s.blocks.len() as u64 + new as u64)
@@ -246,7 +254,10 @@ impl Slots {
 
     /// Workers with active requests.
     pub fn workers(&self) -> impl Iterator<Item = (WorkerDp, WorkerLoad)> + '_ {
-        self.workers.keys().map(|&w| (w, self.load(w)))
+        self.workers
+            .iter()
+            .filter(|(_, s)| s.requests > 0)
+            .map(|(&w, _)| (w, self.load(w)))
     }
 
     /// Active requests.
@@ -334,6 +345,23 @@ mod tests {
         s.free("r2").unwrap();
         assert_eq!(s.load(A), WorkerLoad::default());
         assert_eq!(s.workers().count(), 0);
+        // The idle worker keeps its empty map but counts as idle everywhere, and takes
+        // requests again.
+        let c = s.candidates(&[A], &[1, 2], &OverlapScores::new());
+        assert_eq!(
+            (c[0].active_decode_blocks, c[0].potential_decode_blocks),
+            (0, 2)
+        );
+        s.add("r3", A, vec![1, 2], 5, 0).unwrap();
+        assert_eq!(
+            s.load(A),
+            WorkerLoad {
+                active_blocks: 2,
+                active_prefill_tokens: 5,
+                active_requests: 1
+            }
+        );
+        assert_eq!(s.workers().map(|(w, _)| w).collect::<Vec<_>>(), [A]);
     }
 
     #[test]
