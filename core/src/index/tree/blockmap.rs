@@ -131,44 +131,38 @@ impl ChainSet {
         }
     }
 
+    /// Where `key`'s probe ends: its slot and `true`, or the free slot that ends the
+    /// probe and `false`.
     #[inline]
-    fn slot(&self, hash: u64) -> usize {
+    fn probe(&self, hash: u64, key: u64) -> (usize, bool) {
+        let mask = self.keys.len() - 1;
         // The high half of the hash: hashbrown places by the low bits.
-        (hash >> 32) as usize & (self.keys.len() - 1)
+        let mut i = (hash >> 32) as usize & mask;
+        while self.stamps[i] == self.stamp {
+            if self.keys[i] == key {
+                return (i, true);
+            }
+            i = (i + 1) & mask;
+        }
+        (i, false)
     }
 
     /// Adds `key` (`hash == name_hash(key)`); `false` if it was already in the set. At most
     /// the `n` keys given to [`Self::begin`] may be added.
     #[inline]
     pub(crate) fn insert(&mut self, hash: u64, key: u64) -> bool {
-        let mask = self.keys.len() - 1;
-        let mut i = self.slot(hash);
-        while self.stamps[i] == self.stamp {
-            if self.keys[i] == key {
-                return false;
-            }
-            i = (i + 1) & mask;
+        let (i, found) = self.probe(hash, key);
+        if !found {
+            self.stamps[i] = self.stamp;
+            self.keys[i] = key;
         }
-        self.stamps[i] = self.stamp;
-        self.keys[i] = key;
-        true
+        !found
     }
 
     /// Whether `key` (`hash == name_hash(key)`) is in the set.
     #[inline]
     pub(crate) fn contains(&self, hash: u64, key: u64) -> bool {
-        if self.keys.is_empty() {
-            return false;
-        }
-        let mask = self.keys.len() - 1;
-        let mut i = self.slot(hash);
-        while self.stamps[i] == self.stamp {
-            if self.keys[i] == key {
-                return true;
-            }
-            i = (i + 1) & mask;
-        }
-        false
+        !self.keys.is_empty() && self.probe(hash, key).1
     }
 }
 
