@@ -296,6 +296,49 @@ fn many_workers_exceed_one_bitset_word() {
     );
 }
 
+/// A chain rejected after its names were looked up (one of them names an ancestor of its
+/// parent) leaves nothing behind: the fresh names it carried are not held afterwards.
+#[test]
+fn a_rejected_chain_leaves_no_names_behind() {
+    use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+    use kvrouter_core::hash::{LocalBlockHash as L, SequenceBlockHash as S};
+    let stored = |parent: Option<u64>, blocks: &[(u64, u64)]| {
+        RouterEvent::new(
+            7,
+            KvCacheEvent::stored(
+                0,
+                0,
+                parent.map(S),
+                blocks.iter().map(|&(l, s)| (L(l), S(s))),
+            ),
+        )
+    };
+    let mut tree = TreeIndex::new(1);
+    let mut reference = ReferenceIndex::new();
+    for idx in [&mut tree as &mut dyn Index, &mut reference] {
+        idx.apply(stored(None, &[(1, 101), (2, 102)])).unwrap();
+        // 777 and 778 are fresh; 101 is an ancestor of the parent 102.
+        assert!(
+            idx.apply(stored(Some(102), &[(3, 777), (4, 778), (5, 101)]))
+                .is_err()
+        );
+        assert_eq!(idx.block_count(), 2);
+        assert_eq!(idx.workers()[0].blocks, 2);
+        let o = idx
+            .apply(RouterEvent::new(
+                7,
+                KvCacheEvent::removed(0, 0, [S(777), S(778)]),
+            ))
+            .unwrap();
+        assert_eq!((o.removed, o.not_found), (0, 2));
+        // The names are free to use afterwards.
+        idx.apply(stored(Some(102), &[(3, 777), (4, 778)])).unwrap();
+        assert_eq!(idx.block_count(), 4);
+    }
+    let q = ops::locals(&[1, 2, 3, 4]);
+    assert_eq!(tree.find_matches(&q), reference.find_matches(&q));
+}
+
 #[test]
 fn eviction_frees_nodes_and_memory() {
     let mut tree = TreeIndex::new(1);

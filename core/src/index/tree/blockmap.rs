@@ -4,8 +4,9 @@
 //! a hashbrown `HashTable` with explicit hashes: the writer hashes every name of an event
 //! once ([`name_hash`], the SplitMix64 finaliser, fixed so that runs are repeatable under
 //! callgrind and sequential engine block ids spread evenly) and reuses that hash for the
-//! lookup, the insert and the removal of the name, and inserts names it has just looked
-//! up and found absent without probing for them again.
+//! lookup, the insert and the removal of the name. A stored chain's names are looked up
+//! and, where absent, reserved in the same probe ([`BlockMap::get_or_reserve_h`]), so
+//! that the misses of the inserts overlap with those of the lookups.
 //!
 //! [`ChainSet`] is the per-event scratch set that checks that a stored chain names each
 //! block once: open addressing with generation stamps, so that it is never cleared.
@@ -16,6 +17,11 @@
 //! faster. Memory stays under half of Dynamo's per block with hashbrown (docs/BENCHMARKS.md).
 
 use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
+
+/// The value of a name reserved by [`BlockMap::get_or_reserve_h`] until its caller sets it
+/// (no block sits at node `u32::MAX`).
+pub(crate) const PENDING: u64 = u64::MAX;
 
 /// The hash of a name, as both tables use it.
 #[inline]
@@ -76,12 +82,29 @@ impl BlockMap {
         }
     }
 
-    /// Inserts a name the caller knows is absent (it looked it up since the last change),
-    /// without probing for it; `hash == name_hash(key)`.
+    /// `key`'s value (`hash == name_hash(key)`) if present; otherwise inserts it as
+    /// [`PENDING`] and returns `None`. The caller sets or removes every name it reserved
+    /// before the map is read by anything else.
     #[inline]
-    pub(crate) fn insert_absent_h(&mut self, hash: u64, key: u64, val: u64) {
-        debug_assert!(self.get_h(hash, key).is_none(), "name {key} is present");
-        self.table.insert_unique(hash, (key, val), rehash);
+    pub(crate) fn get_or_reserve_h(&mut self, hash: u64, key: u64) -> Option<u64> {
+        match self.table.entry(hash, |e| e.0 == key, rehash) {
+            Entry::Occupied(e) => Some(e.get().1),
+            Entry::Vacant(v) => {
+                v.insert((key, PENDING));
+                None
+            }
+        }
+    }
+
+    /// Sets `key` (`hash == name_hash(key)`) to `val`, inserting it if absent.
+    #[inline]
+    pub(crate) fn set_h(&mut self, hash: u64, key: u64, val: u64) {
+        match self.table.find_entry(hash, |e| e.0 == key) {
+            Ok(mut e) => e.get_mut().1 = val,
+            Err(_) => {
+                self.table.insert_unique(hash, (key, val), rehash);
+            }
+        }
     }
 
     /// Removes `key` (`hash == name_hash(key)`); returns its value.
@@ -184,9 +207,13 @@ mod tests {
             let key = (x >> 33) % 5000;
             match x % 4 {
                 0 | 1 => assert_eq!(m.remove_h(name_hash(key), key), r.remove(&key)),
-                2 if m.get_h(name_hash(key), key).is_none() => {
-                    m.insert_absent_h(name_hash(key), key, step);
-                    assert_eq!(r.insert(key, step), None);
+                2 => {
+                    let h = name_hash(key);
+                    if m.get_or_reserve_h(h, key).is_none() {
+                        assert_eq!(m.get_h(h, key), Some(PENDING));
+                    }
+                    m.set_h(h, key, step);
+                    r.insert(key, step);
                 }
                 _ => assert_eq!(m.insert(key, step), r.insert(key, step)),
             }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
 
-use super::blockmap::{BlockMap, ChainSet, name_hash};
+use super::blockmap::{BlockMap, ChainSet, PENDING, name_hash};
 use super::garbage::{Reclaimer, Retired};
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
@@ -505,24 +505,42 @@ impl ShardWriter {
             return Err(invalid(b));
         }
         // Where the worker already has each name (one lookup per block, reused below until
-        // a cascade or a rename changes the map).
+        // a cascade or a rename changes the map). A name it lacks is reserved in the same
+        // probe (`PENDING`), so that the insert's memory traffic overlaps the other
+        // lookups' instead of missing again when `store_chain` sets it.
         let mut held = std::mem::take(&mut self.held);
         held.clear();
-        let map = self.map(slot);
+        let map = &mut self.slots[slot as usize]
+            .as_mut()
+            .expect("allocated")
+            .blocks;
         held.extend(
             blocks
                 .iter()
                 .zip(&hs)
-                .map(|(b, &h)| map.get_h(h, b.block_hash.0)),
+                .map(|(b, &h)| map.get_or_reserve_h(h, b.block_hash.0)),
         );
-        if let Some(ploc) = parent_loc {
-            for (b, h) in blocks.iter().zip(&held) {
-                if h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)) {
-                    self.held = held;
-                    self.hashes = hs;
-                    return Err(invalid(b.block_hash));
+        let cycle = parent_loc.and_then(|ploc| {
+            blocks
+                .iter()
+                .zip(&held)
+                .find(|(_, h)| h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)))
+                .map(|(b, _)| b.block_hash)
+        });
+        if let Some(b) = cycle {
+            // Rejected: the reservations go, and the map is as it was.
+            let map = &mut self.slots[slot as usize]
+                .as_mut()
+                .expect("allocated")
+                .blocks;
+            for ((blk, &x), h) in blocks.iter().zip(&hs).zip(&held) {
+                if h.is_none() {
+                    map.remove_h(x, blk.block_hash.0);
                 }
             }
+            self.held = held;
+            self.hashes = hs;
+            return Err(invalid(b));
         }
         let out = self.store_chain(slot, parent_loc, blocks, &hs, &mut held, guard);
         self.held = held;
@@ -532,7 +550,7 @@ impl ShardWriter {
 
     /// The mutation part of a store (validated by the caller). `hs[i]` is the
     /// `name_hash` of `blocks[i]`'s name, and `held[i]` the worker's current location of
-    /// that name.
+    /// that name, `None` where the map holds it as `PENDING` (each of those is set below).
     fn store_chain(
         &mut self,
         slot: u32,
@@ -550,7 +568,10 @@ impl ShardWriter {
                 .zip(&blocks[from..])
                 .zip(&hs[from..])
             {
-                *h = w.map(slot).get_h(x, b.block_hash.0);
+                *h = w
+                    .map(slot)
+                    .get_h(x, b.block_hash.0)
+                    .filter(|&v| v != PENDING);
             }
         };
         let (mut n, mut next) = parent_loc.map_or((ROOT, 0), |(n, p)| (n, p + 1));
@@ -604,9 +625,8 @@ impl ShardWriter {
                         .as_mut()
                         .expect("allocated")
                         .blocks;
-                    // Every name of the run was looked up above and is absent.
                     for (j, (blk, &x)) in blocks[i..i + k].iter().zip(&hs[i..i + k]).enumerate() {
-                        map.insert_absent_h(x, blk.block_hash.0, pack(t, p + j as u32));
+                        map.set_h(x, blk.block_hash.0, pack(t, p + j as u32));
                     }
                     self.set_coverage(t, slot, p + k as u32, guard);
                     self.blocks += k;
@@ -649,9 +669,8 @@ impl ShardWriter {
                         .as_mut()
                         .expect("allocated")
                         .blocks;
-                    // The loop above removed every name of the rest that the map held.
                     for (j, (blk, &x)) in rest.iter().zip(&hs[i..]).enumerate() {
-                        map.insert_absent_h(x, blk.block_hash.0, pack(t, start + j as u32));
+                        map.set_h(x, blk.block_hash.0, pack(t, start + j as u32));
                     }
                     self.blocks += rest.len();
                     out.stored += rest.len() as u32;
