@@ -2,8 +2,8 @@
 //!
 //! ```text
 //! kvrouter-bench perf LOG --index tree|reference|dynamo-radix|dynamo-crtc [--threads N] [--json]
-//! kvrouter-bench concurrent LOG --index tree|dynamo-crtc [--writers N] [--readers N] [--json]
-//! kvrouter-bench compare LOG [--runs 3] [--writers 2] [--readers 1]
+//! kvrouter-bench concurrent LOG --index tree|dynamo-crtc [--writers N] [--readers N] [--passes 1] [--json]
+//! kvrouter-bench compare LOG [--runs 3] [--writers 2] [--readers 1] [--passes 5]
 //! kvrouter-bench recovery [--blocks 1000000] [--workers 16] [--kvrouter target/release/kvrouter] [--runs 5]
 //! ```
 //!
