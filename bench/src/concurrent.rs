@@ -17,7 +17,7 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvrouter_core::event::{KvCacheEvent, KvEventData, RouterEvent};
+use kvrouter_core::event::{KvCacheEvent, RouterEvent};
 use kvrouter_core::hash::LocalBlockHash;
 use kvrouter_core::index::OverlapScores;
 use kvrouter_core::index::tree::{TreeIndex, shard_for};
@@ -29,22 +29,17 @@ use crate::perf::{LoadedLog, percentile};
 /// `Cleared` event for every (worker, dp rank) of the log, so it starts from an empty
 /// cache.
 pub fn pass_events(log: &LoadedLog, passes: usize) -> Vec<RouterEvent> {
+    let passes = passes.max(1);
     let events: Vec<&RouterEvent> = log.events().collect();
     let workers: std::collections::BTreeSet<_> = events.iter().map(|e| e.worker()).collect();
-    let mut out = Vec::with_capacity(events.len() * passes.max(1) + workers.len() * passes);
-    for pass in 0..passes.max(1) {
+    let mut out = Vec::with_capacity((events.len() + workers.len()) * passes);
+    for pass in 0..passes {
         if pass > 0 {
-            out.extend(workers.iter().map(|w| RouterEvent {
-                worker_id: w.worker_id,
-                storage_tier: Default::default(),
-                residency_domain: None,
-                event: KvCacheEvent {
-                    event_id: 0,
-                    data: KvEventData::Cleared,
-                    dp_rank: w.dp_rank,
-                },
-                session_id: None,
-            }));
+            out.extend(
+                workers
+                    .iter()
+                    .map(|w| RouterEvent::new(w.worker_id, KvCacheEvent::cleared(0, w.dp_rank))),
+            );
         }
         out.extend(events.iter().map(|&e| e.clone()));
     }

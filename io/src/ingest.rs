@@ -460,6 +460,8 @@ impl IngestView {
     /// caller that read it, then [`Self::workers`], may keep that worker list for as long
     /// as the counter reads the same.
     pub fn membership(&self) -> u64 {
+        // `Acquire` pairs with the shard cores' `Release` bump, made after they changed a
+        // summary map: a caller that reads the new count then lists the new membership.
         self.members.load(Ordering::Acquire)
     }
 

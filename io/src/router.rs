@@ -510,6 +510,7 @@ impl State {
         }
         let mut out = self.known.clone();
         let before = out.len();
+        // The slot manager's workers are distinct, so those added here are too.
         for (w, _) in self.slots.workers() {
             if self.known.binary_search(&w).is_err() {
                 out.push(w);
@@ -517,7 +518,6 @@ impl State {
         }
         if out.len() != before {
             out.sort_unstable();
-            out.dedup();
         }
         out
     }

@@ -109,28 +109,39 @@ fn loom_models_child_link_unlink_rebuild() {
     });
 }
 
+/// A writer of one shard and a reader of it.
+fn writer_and_reader() -> (ShardWriter, TreeReader) {
+    let w = ShardWriter::new();
+    let reader = TreeReader {
+        shards: vec![std::sync::Arc::clone(w.shared())].into(),
+    };
+    (w, reader)
+}
+
+/// A root-level stored chain of `(local, sequence)` hashes.
+fn stored(worker: u64, event_id: u64, blocks: &[(u64, u64)]) -> RouterEvent {
+    RouterEvent::new(
+        worker,
+        KvCacheEvent::stored(
+            event_id,
+            0,
+            None,
+            blocks
+                .iter()
+                .map(|&(l, s)| (LocalBlockHash(l), SequenceBlockHash(s))),
+        ),
+    )
+}
+
 /// The whole writer: a store, then an eviction, while a reader looks up. The reader's
 /// score is one the worker had at some moment: 0, 2 or 1 for the query [1, 2].
 #[test]
 fn loom_models_store_evict_lookup() {
     model(|| {
-        let mut w = ShardWriter::new();
-        let reader = TreeReader {
-            shards: vec![std::sync::Arc::clone(w.shared())].into(),
-        };
+        let (mut w, reader) = writer_and_reader();
         let t = thread::spawn(move || {
-            let s = |h| SequenceBlockHash(h);
-            let store = RouterEvent::new(
-                9,
-                KvCacheEvent::stored(
-                    0,
-                    0,
-                    None,
-                    [(LocalBlockHash(1), s(11)), (LocalBlockHash(2), s(12))],
-                ),
-            );
-            w.apply_event(&store).unwrap();
-            let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [s(12)]));
+            w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
+            let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
             w.apply_event(&evict).unwrap();
             w
         });
@@ -154,22 +165,11 @@ fn loom_models_store_evict_lookup() {
 #[test]
 fn loom_models_slot_order_publication() {
     model(|| {
-        let mut w = ShardWriter::new();
-        let reader = TreeReader {
-            shards: vec![std::sync::Arc::clone(w.shared())].into(),
-        };
+        let (mut w, reader) = writer_and_reader();
         let t = thread::spawn(move || {
             for (i, worker) in [9u64, 3].into_iter().enumerate() {
-                let store = RouterEvent::new(
-                    worker,
-                    KvCacheEvent::stored(
-                        i as u64,
-                        0,
-                        None,
-                        [(LocalBlockHash(1), SequenceBlockHash(11))],
-                    ),
-                );
-                w.apply_event(&store).unwrap();
+                w.apply_event(&stored(worker, i as u64, &[(1, 11)]))
+                    .unwrap();
             }
             w
         });

@@ -380,9 +380,9 @@ impl ShardWriter {
                 let map = self.map(slot);
                 let mut warm = 0u64;
                 for h in &r.block_hashes {
-                    let x = name_hash(h.0);
-                    hs.push(x);
-                    warm ^= map.get_h(x, h.0).unwrap_or(0);
+                    let hash = name_hash(h.0);
+                    hs.push(hash);
+                    warm ^= map.get_h(hash, h.0).unwrap_or(0);
                 }
                 std::hint::black_box(warm);
                 // Leaf-first eviction names a chain tail first: consecutive blocks of one
@@ -390,8 +390,8 @@ impl ShardWriter {
                 // coverage change instead of one per block (same final state; a reader
                 // sees the run go at once instead of block by block).
                 let mut run: Option<TailRun> = None;
-                for (h, &x) in r.block_hashes.iter().zip(&hs) {
-                    let Some(loc) = self.state(slot).blocks.remove_h(x, h.0) else {
+                for (h, &hash) in r.block_hashes.iter().zip(&hs) {
+                    let Some(loc) = self.state(slot).blocks.remove_h(hash, h.0) else {
                         out.not_found += 1;
                         continue;
                     };
@@ -510,10 +510,7 @@ impl ShardWriter {
         // lookups' instead of missing again when `store_chain` sets it.
         let mut held = std::mem::take(&mut self.held);
         held.clear();
-        let map = &mut self.slots[slot as usize]
-            .as_mut()
-            .expect("allocated")
-            .blocks;
+        let map = &mut self.state(slot).blocks;
         held.extend(
             blocks
                 .iter()
@@ -529,10 +526,7 @@ impl ShardWriter {
         });
         if let Some(b) = cycle {
             // Rejected: the reservations go, and the map is as it was.
-            let map = &mut self.slots[slot as usize]
-                .as_mut()
-                .expect("allocated")
-                .blocks;
+            let map = &mut self.state(slot).blocks;
             for ((blk, &x), h) in blocks.iter().zip(&hs).zip(&held) {
                 if h.is_none() {
                     map.remove_h(x, blk.block_hash.0);
@@ -603,7 +597,7 @@ impl ShardWriter {
                     // A renamed path: same block, new name.
                     let loc = pack(t, p);
                     self.state(slot).blocks.remove_where(|_, v| v == loc);
-                    self.state(slot).blocks.insert(ext, loc);
+                    self.state(slot).blocks.set_h(hs[i], ext, loc);
                     refresh(self, held, i + 1);
                     out.stored += 1;
                     (n, next) = (t, p + 1);
@@ -621,10 +615,7 @@ impl ShardWriter {
                     {
                         k += 1;
                     }
-                    let map = &mut self.slots[slot as usize]
-                        .as_mut()
-                        .expect("allocated")
-                        .blocks;
+                    let map = &mut self.state(slot).blocks;
                     for (j, (blk, &x)) in blocks[i..i + k].iter().zip(&hs[i..i + k]).enumerate() {
                         map.set_h(x, blk.block_hash.0, pack(t, p + j as u32));
                     }
@@ -665,10 +656,7 @@ impl ShardWriter {
                     } else {
                         (self.new_child(n, next, &locals, slot, guard), 0)
                     };
-                    let map = &mut self.slots[slot as usize]
-                        .as_mut()
-                        .expect("allocated")
-                        .blocks;
+                    let map = &mut self.state(slot).blocks;
                     for (j, (blk, &x)) in rest.iter().zip(&hs[i..]).enumerate() {
                         map.set_h(x, blk.block_hash.0, pack(t, start + j as u32));
                     }
