@@ -334,6 +334,30 @@ fn a_rejected_chain_leaves_no_names_behind() {
         // The names are free to use afterwards.
         idx.apply(stored(Some(102), &[(3, 777), (4, 778)])).unwrap();
         assert_eq!(idx.block_count(), 4);
+        // A chain naming a block twice: a fresh name (779) or one the worker holds (101),
+        // after fresh names that must not stay behind (780, 781).
+        for twice in [779, 101] {
+            let chain = [(5, 780), (6, twice), (7, 781), (8, twice)];
+            assert!(idx.apply(stored(Some(778), &chain)).is_err());
+            assert_eq!(idx.block_count(), 4);
+        }
+        let o = idx
+            .apply(RouterEvent::new(
+                7,
+                KvCacheEvent::removed(0, 0, [S(779), S(780), S(781)]),
+            ))
+            .unwrap();
+        assert_eq!((o.removed, o.not_found), (0, 3));
+        // 101 still names the first block: a chain under it is accepted, and removing it
+        // drops everything the worker holds.
+        idx.apply(stored(Some(101), &[(9, 790)])).unwrap();
+        let o = idx
+            .apply(RouterEvent::new(7, KvCacheEvent::removed(0, 0, [S(101)])))
+            .unwrap();
+        assert_eq!(o.removed, 5);
+        assert_eq!(idx.block_count(), 0);
+        idx.apply(stored(None, &[(1, 101), (2, 102), (3, 777), (4, 778)]))
+            .unwrap();
     }
     let q = ops::locals(&[1, 2, 3, 4]);
     assert_eq!(tree.find_matches(&q), reference.find_matches(&q));

@@ -5,11 +5,12 @@
 //! once ([`name_hash`], the SplitMix64 finaliser, fixed so that runs are repeatable under
 //! callgrind and sequential engine block ids spread evenly) and reuses that hash for the
 //! lookup, the insert and the removal of the name. A stored chain's names are looked up
-//! and, where absent, reserved in the same probe ([`BlockMap::get_or_reserve_h`]), so
-//! that the misses of the inserts overlap with those of the lookups.
-//!
-//! [`ChainSet`] is the per-event scratch set that checks that a stored chain names each
-//! block once: open addressing with generation stamps, so that it is never cleared.
+//! and, where absent, reserved in the same probe ([`BlockMap::claim_h`]), so that the
+//! misses of the inserts overlap with those of the lookups. That probe also marks each
+//! name as claimed by the chain, which is how a chain that names a block twice is caught,
+//! and remembers the name's bucket, so that setting or removing it later needs no second
+//! probe ([`BlockMap::set_at`], [`BlockMap::remove_at`]: a bucket is only a hint, checked
+//! against the key, so a stale one costs the probe and nothing else).
 //!
 //! We measured a Robin Hood table with a separate tag array (non-power-of-two capacity,
 //! 7/8 load): 8 bytes per cached block smaller, but about 20 % slower on the shared replay
@@ -19,9 +20,17 @@
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
 
-/// The value of a name reserved by [`BlockMap::get_or_reserve_h`] until its caller sets it
-/// (no block sits at node `u32::MAX`).
+/// The value of a name reserved by [`BlockMap::claim_h`] until its caller sets it (no block
+/// sits at node `u32::MAX`); it has [`CLAIMED`] set.
 pub(crate) const PENDING: u64 = u64::MAX;
+
+/// Set on a value while a chain being validated claims its name ([`BlockMap::claim_h`]).
+/// No stored value has it: node ids stay below 2^31 (a tree of 2^31 nodes would need
+/// hundreds of GiB).
+pub(crate) const CLAIMED: u64 = 1 << 63;
+
+/// A bucket hint that names no bucket: the key was absent when the hint was taken.
+pub(crate) const NO_BUCKET: usize = usize::MAX;
 
 /// The hash of a name, as both tables use it.
 #[inline]
@@ -70,18 +79,65 @@ impl BlockMap {
         self.table.find(hash, |e| e.0 == key).map(|e| e.1)
     }
 
-    /// `key`'s value (`hash == name_hash(key)`) if present; otherwise inserts it as
-    /// [`PENDING`] and returns `None`. The caller sets or removes every name it reserved
-    /// before the map is read by anything else.
+    /// Claims `key` (`hash == name_hash(key)`) for the chain being validated: returns its
+    /// value from before the claim, or `None` and inserts it as [`PENDING`] if absent; and
+    /// either way the entry's bucket, a hint for [`Self::set_at`] and [`Self::remove_at`].
+    /// A present value gets [`CLAIMED`] set, so that a second claim of the same name
+    /// returns a value with [`CLAIMED`] set ([`PENDING`] has it too). The caller restores
+    /// every value it claimed, and sets or removes every name it reserved, before the map
+    /// is read by anything else.
     #[inline]
-    pub(crate) fn get_or_reserve_h(&mut self, hash: u64, key: u64) -> Option<u64> {
+    pub(crate) fn claim_h(&mut self, hash: u64, key: u64) -> (Option<u64>, usize) {
         match self.table.entry(hash, |e| e.0 == key, rehash) {
-            Entry::Occupied(e) => Some(e.get().1),
-            Entry::Vacant(v) => {
-                v.insert((key, PENDING));
-                None
+            Entry::Occupied(mut e) => {
+                let v = e.get().1;
+                e.get_mut().1 = v | CLAIMED;
+                (Some(v), e.bucket_index())
             }
+            Entry::Vacant(v) => (None, v.insert((key, PENDING)).bucket_index()),
         }
+    }
+
+    /// The bucket holding `key` (`hash == name_hash(key)`), a hint for
+    /// [`Self::remove_at`]; [`NO_BUCKET`] when absent.
+    #[inline]
+    pub(crate) fn bucket_h(&self, hash: u64, key: u64) -> usize {
+        self.table
+            .find_bucket_index(hash, |e| e.0 == key)
+            .unwrap_or(NO_BUCKET)
+    }
+
+    /// [`Self::set_h`], trying bucket `hint` first: a hint from this map that still holds
+    /// `key` saves the probe. Any hint is safe: a stale one (the table grew or rehashed, or
+    /// the entry went) is caught by the key check and falls back to the probe.
+    #[inline(always)]
+    pub(crate) fn set_at(&mut self, hint: usize, hash: u64, key: u64, val: u64) {
+        match self.table.get_bucket_mut(hint) {
+            Some(e) if e.0 == key => e.1 = val,
+            _ => self.set_cold(hash, key, val),
+        }
+    }
+
+    /// [`Self::remove_h`], trying bucket `hint` first (as for [`Self::set_at`]).
+    #[inline(always)]
+    pub(crate) fn remove_at(&mut self, hint: usize, hash: u64, key: u64) -> Option<u64> {
+        match self.table.get_bucket_entry(hint) {
+            Ok(e) if e.get().0 == key => Some(e.remove().0.1),
+            _ => self.remove_cold(hash, key),
+        }
+    }
+
+    // The probes behind a stale hint, kept out of line so that the hinted paths stay small.
+    #[cold]
+    #[inline(never)]
+    fn set_cold(&mut self, hash: u64, key: u64, val: u64) {
+        self.set_h(hash, key, val)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn remove_cold(&mut self, hash: u64, key: u64) -> Option<u64> {
+        self.remove_h(hash, key)
     }
 
     /// Sets `key` (`hash == name_hash(key)`) to `val`, inserting it if absent.
@@ -117,69 +173,9 @@ impl BlockMap {
     }
 }
 
-/// See the [module docs](self). Holds at most half its slots, so probes stay short.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ChainSet {
-    keys: Vec<u64>,
-    /// `stamps[i] == stamp` marks slot `i` as holding a key of the current chain.
-    stamps: Vec<u32>,
-    stamp: u32,
-}
-
-impl ChainSet {
-    /// Empties the set, sized for `n` keys.
-    pub(crate) fn begin(&mut self, n: usize) {
-        let want = (2 * n).next_power_of_two().max(16);
-        if self.keys.len() < want {
-            self.keys = vec![0; want];
-            self.stamps = vec![0; want];
-            self.stamp = 0;
-        }
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.stamps.fill(0);
-            self.stamp = 1;
-        }
-    }
-
-    /// Where `key`'s probe ends: its slot and `true`, or the free slot that ends the
-    /// probe and `false`.
-    #[inline]
-    fn probe(&self, hash: u64, key: u64) -> (usize, bool) {
-        let mask = self.keys.len() - 1;
-        // The high half of the hash: hashbrown places by the low bits.
-        let mut i = (hash >> 32) as usize & mask;
-        while self.stamps[i] == self.stamp {
-            if self.keys[i] == key {
-                return (i, true);
-            }
-            i = (i + 1) & mask;
-        }
-        (i, false)
-    }
-
-    /// Adds `key` (`hash == name_hash(key)`); `false` if it was already in the set. At most
-    /// the `n` keys given to [`Self::begin`] may be added.
-    #[inline]
-    pub(crate) fn insert(&mut self, hash: u64, key: u64) -> bool {
-        let (i, found) = self.probe(hash, key);
-        if !found {
-            self.stamps[i] = self.stamp;
-            self.keys[i] = key;
-        }
-        !found
-    }
-
-    /// Whether `key` (`hash == name_hash(key)`) is in the set.
-    #[inline]
-    pub(crate) fn contains(&self, hash: u64, key: u64) -> bool {
-        !self.keys.is_empty() && self.probe(hash, key).1
-    }
-}
-
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashMap;
 
     use super::*;
 
@@ -194,13 +190,26 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             let key = (x >> 33) % 5000;
             match x % 4 {
-                0 | 1 => assert_eq!(m.remove_h(name_hash(key), key), r.remove(&key)),
+                0 => assert_eq!(m.remove_h(name_hash(key), key), r.remove(&key)),
+                1 => {
+                    // Hints taken before other keys came and went: stale or not, the
+                    // answer is right.
+                    let h = name_hash(key);
+                    let at = m.bucket_h(h, key);
+                    assert_eq!(at == NO_BUCKET, !r.contains_key(&key));
+                    let other = key ^ 1;
+                    m.remove_h(name_hash(other), other);
+                    r.remove(&other);
+                    assert_eq!(m.remove_at(at, h, key), r.remove(&key));
+                }
                 2 => {
                     let h = name_hash(key);
-                    if m.get_or_reserve_h(h, key).is_none() {
-                        assert_eq!(m.get_h(h, key), Some(PENDING));
-                    }
-                    m.set_h(h, key, step);
+                    let (old, at) = m.claim_h(h, key);
+                    assert_eq!(old, r.get(&key).copied());
+                    assert_eq!(m.get_h(h, key), Some(old.map_or(PENDING, |v| v | CLAIMED)));
+                    // A second claim sees the first.
+                    assert!(m.claim_h(h, key).0.is_some_and(|v| v & CLAIMED != 0));
+                    m.set_at(at, h, key, step);
                     r.insert(key, step);
                 }
                 _ => {
@@ -221,31 +230,26 @@ mod tests {
     }
 
     #[test]
-    fn chain_set_finds_repeats_across_many_chains() {
-        let mut s = ChainSet::default();
-        let mut x = 7u64;
-        for chain in 0..3_000usize {
-            let n = chain % 97;
-            s.begin(n);
-            let mut seen = HashSet::new();
-            for _ in 0..n {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                // Small keys, so that chains repeat names and slots collide.
-                let key = (x >> 40) % 64;
-                let h = name_hash(key);
-                assert_eq!(s.contains(h, key), seen.contains(&key));
-                assert_eq!(s.insert(h, key), seen.insert(key));
-                assert!(s.contains(h, key));
-            }
+    fn stale_bucket_hints_fall_back_to_the_probe() {
+        let mut m = BlockMap::new();
+        for k in 0..8u64 {
+            m.set_h(name_hash(k), k, k);
         }
-        // Stamps wrap around without leaking old chains' keys.
-        s.stamp = u32::MAX - 1;
-        s.begin(4);
-        assert!(s.insert(name_hash(1), 1));
-        s.begin(4);
-        assert!(!s.contains(name_hash(1), 1));
-        assert!(s.insert(name_hash(1), 1));
+        let hints: Vec<usize> = (0..8u64).map(|k| m.bucket_h(name_hash(k), k)).collect();
+        // Growth moves every entry: the hints now name other keys' buckets or none.
+        for k in 100..20_000u64 {
+            m.set_h(name_hash(k), k, k);
+        }
+        for k in 0..4u64 {
+            m.set_at(hints[k as usize], name_hash(k), k, k + 1000);
+            assert_eq!(m.get(k), Some(k + 1000));
+        }
+        for k in 4..8u64 {
+            assert_eq!(m.remove_at(hints[k as usize], name_hash(k), k), Some(k));
+            assert_eq!(m.get(k), None);
+            assert_eq!(m.remove_at(hints[k as usize], name_hash(k), k), None);
+        }
+        assert_eq!(m.remove_at(NO_BUCKET, name_hash(0), 0), Some(1000));
+        assert_eq!(m.len(), 8 + 19_900 - 5);
     }
 }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
 
-use super::blockmap::{BlockMap, ChainSet, PENDING, name_hash};
+use super::blockmap::{BlockMap, CLAIMED, NO_BUCKET, PENDING, name_hash};
 use super::garbage::{Reclaimer, Retired};
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
@@ -213,10 +213,11 @@ pub struct ShardWriter {
     /// reader can attribute an old worker's bits to a new one.
     recycled: Arc<Mutex<Vec<u32>>>,
     blocks: usize,
-    /// Scratch set for checking that a stored chain names each block once.
-    chain: ChainSet,
     /// Scratch: `name_hash` of each name of the event being applied.
     hashes: Vec<u64>,
+    /// Scratch: the name map's bucket of each name of the event (a hint, see
+    /// [`BlockMap::set_at`]).
+    buckets: Vec<usize>,
     /// Scratch: where the worker already has each name of a stored chain.
     held: Vec<Option<u64>>,
     /// Unlinked objects waiting for their grace period.
@@ -244,8 +245,8 @@ impl ShardWriter {
             slot_of: HashMap::new(),
             recycled: Arc::new(Mutex::new(Vec::new())),
             blocks: 0,
-            chain: ChainSet::default(),
             hashes: Vec::new(),
+            buckets: Vec::new(),
             held: Vec::new(),
             garbage: Reclaimer::new(),
         }
@@ -373,25 +374,32 @@ impl ShardWriter {
             KvEventData::Removed(r) => {
                 let mut out = ApplyOutcome::default();
                 // Look every name up first: the lookups are independent, so their cache
-                // misses overlap; the removals below then find their slots in cache.
-                // Each name is hashed once, here.
+                // misses overlap, and each remembers its bucket, so that the removals
+                // below go straight to it (nothing is inserted in between; a bucket that
+                // `drop_from` emptied meanwhile is caught by `remove_at`). Each name is
+                // hashed once, here.
                 let mut hs = std::mem::take(&mut self.hashes);
+                let mut buckets = std::mem::take(&mut self.buckets);
                 hs.clear();
+                buckets.clear();
                 let map = self.map(slot);
-                let mut warm = 0u64;
                 for h in &r.block_hashes {
                     let hash = name_hash(h.0);
                     hs.push(hash);
-                    warm ^= map.get_h(hash, h.0).unwrap_or(0);
+                    buckets.push(map.bucket_h(hash, h.0));
                 }
-                std::hint::black_box(warm);
                 // Leaf-first eviction names a chain tail first: consecutive blocks of one
                 // edge, each the worker's last there. Such a run is dropped with one
                 // coverage change instead of one per block (same final state; a reader
                 // sees the run go at once instead of block by block).
                 let mut run: Option<TailRun> = None;
-                for (h, &hash) in r.block_hashes.iter().zip(&hs) {
-                    let Some(loc) = self.state(slot).blocks.remove_h(hash, h.0) else {
+                for ((h, &hash), &bucket) in r.block_hashes.iter().zip(&hs).zip(&buckets) {
+                    let removed = if bucket == NO_BUCKET {
+                        None
+                    } else {
+                        self.state(slot).blocks.remove_at(bucket, hash, h.0)
+                    };
+                    let Some(loc) = removed else {
                         out.not_found += 1;
                         continue;
                     };
@@ -420,6 +428,7 @@ impl ShardWriter {
                     out.removed += self.drop_run(slot, r, guard);
                 }
                 self.hashes = hs;
+                self.buckets = buckets;
                 self.blocks -= out.removed as usize;
                 Ok(out)
             }
@@ -491,41 +500,48 @@ impl ShardWriter {
         };
         // Each name is hashed once, here.
         let mut hs = std::mem::take(&mut self.hashes);
+        let mut held = std::mem::take(&mut self.held);
+        let mut buckets = std::mem::take(&mut self.buckets);
         hs.clear();
+        held.clear();
+        buckets.clear();
         hs.extend(blocks.iter().map(|b| name_hash(b.block_hash.0)));
-        self.chain.begin(blocks.len());
-        let repeated = blocks
-            .iter()
-            .zip(&hs)
-            .find(|&(b, &h)| !self.chain.insert(h, b.block_hash.0))
-            .map(|(b, _)| b.block_hash)
-            .or(parent.filter(|p| self.chain.contains(name_hash(p.0), p.0)));
-        if let Some(b) = repeated {
-            self.hashes = hs;
-            return Err(invalid(b));
-        }
         // Where the worker already has each name (one lookup per block, reused below until
         // a cascade or a rename changes the map). A name it lacks is reserved in the same
         // probe (`PENDING`), so that the insert's memory traffic overlaps the other
-        // lookups' instead of missing again when `store_chain` sets it.
-        let mut held = std::mem::take(&mut self.held);
-        held.clear();
+        // lookups' instead of missing again when `store_chain` sets it (at the bucket
+        // remembered here). Every name is claimed in that probe, so a name found claimed
+        // was claimed by this very chain (claims never outlive their event): the chain
+        // names that block twice.
         let map = &mut self.state(slot).blocks;
-        held.extend(
-            blocks
-                .iter()
-                .zip(&hs)
-                .map(|(b, &h)| map.get_or_reserve_h(h, b.block_hash.0)),
-        );
-        let cycle = parent_loc.and_then(|ploc| {
-            blocks
-                .iter()
-                .zip(&held)
-                .find(|(_, h)| h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)))
-                .map(|(b, _)| b.block_hash)
-        });
-        if let Some(b) = cycle {
-            // Rejected: the reservations go, and the map is as it was.
+        let mut repeated = None;
+        for (b, &h) in blocks.iter().zip(&hs) {
+            let (v, at) = map.claim_h(h, b.block_hash.0);
+            if v.is_some_and(|v| v & CLAIMED != 0) {
+                repeated = Some(b.block_hash);
+                break;
+            }
+            held.push(v);
+            buckets.push(at);
+        }
+        // The held names' values back (their buckets are in cache from the claim).
+        for (((b, &h), &at), v) in blocks.iter().zip(&hs).zip(&buckets).zip(&held) {
+            if let Some(v) = *v {
+                map.set_at(at, h, b.block_hash.0, v);
+            }
+        }
+        let rejected = repeated
+            .or(parent.filter(|p| blocks.iter().any(|b| b.block_hash == *p)))
+            .or_else(|| {
+                let ploc = parent_loc?;
+                blocks
+                    .iter()
+                    .zip(&held)
+                    .find(|(_, h)| h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)))
+                    .map(|(b, _)| b.block_hash)
+            });
+        if let Some(b) = rejected {
+            // Rejected: the reservations made so far go, and the map is as it was.
             let map = &mut self.state(slot).blocks;
             for ((blk, &x), h) in blocks.iter().zip(&hs).zip(&held) {
                 if h.is_none() {
@@ -534,23 +550,28 @@ impl ShardWriter {
             }
             self.held = held;
             self.hashes = hs;
+            self.buckets = buckets;
             return Err(invalid(b));
         }
-        let out = self.store_chain(slot, parent_loc, blocks, &hs, &mut held, guard);
+        let out = self.store_chain(slot, parent_loc, blocks, &hs, &buckets, &mut held, guard);
         self.held = held;
         self.hashes = hs;
+        self.buckets = buckets;
         Ok(out)
     }
 
     /// The mutation part of a store (validated by the caller). `hs[i]` is the
-    /// `name_hash` of `blocks[i]`'s name, and `held[i]` the worker's current location of
-    /// that name, `None` where the map holds it as `PENDING` (each of those is set below).
+    /// `name_hash` of `blocks[i]`'s name, `buckets[i]` its bucket in the worker's map when
+    /// validated (a hint), and `held[i]` the worker's current location of that name,
+    /// `None` where the map holds it as `PENDING` (each of those is set below).
+    #[allow(clippy::too_many_arguments)]
     fn store_chain(
         &mut self,
         slot: u32,
         parent_loc: Option<(NodeId, u32)>,
         blocks: &[StoredBlock],
         hs: &[u64],
+        buckets: &[usize],
         held: &mut [Option<u64>],
         guard: &Guard,
     ) -> ApplyOutcome {
@@ -597,7 +618,7 @@ impl ShardWriter {
                     // A renamed path: same block, new name.
                     let loc = pack(t, p);
                     self.state(slot).blocks.remove_where(|_, v| v == loc);
-                    self.state(slot).blocks.set_h(hs[i], ext, loc);
+                    self.state(slot).blocks.set_at(buckets[i], hs[i], ext, loc);
                     refresh(self, held, i + 1);
                     out.stored += 1;
                     (n, next) = (t, p + 1);
@@ -616,8 +637,13 @@ impl ShardWriter {
                         k += 1;
                     }
                     let map = &mut self.state(slot).blocks;
-                    for (j, (blk, &x)) in blocks[i..i + k].iter().zip(&hs[i..i + k]).enumerate() {
-                        map.set_h(x, blk.block_hash.0, pack(t, p + j as u32));
+                    for (j, ((blk, &x), &at)) in blocks[i..i + k]
+                        .iter()
+                        .zip(&hs[i..i + k])
+                        .zip(&buckets[i..i + k])
+                        .enumerate()
+                    {
+                        map.set_at(at, x, blk.block_hash.0, pack(t, p + j as u32));
                     }
                     self.set_coverage(t, slot, p + k as u32, guard);
                     self.blocks += k;
@@ -657,8 +683,10 @@ impl ShardWriter {
                         (self.new_child(n, next, &locals, slot, guard), 0)
                     };
                     let map = &mut self.state(slot).blocks;
-                    for (j, (blk, &x)) in rest.iter().zip(&hs[i..]).enumerate() {
-                        map.set_h(x, blk.block_hash.0, pack(t, start + j as u32));
+                    for (j, ((blk, &x), &at)) in
+                        rest.iter().zip(&hs[i..]).zip(&buckets[i..]).enumerate()
+                    {
+                        map.set_at(at, x, blk.block_hash.0, pack(t, start + j as u32));
                     }
                     self.blocks += rest.len();
                     out.stored += rest.len() as u32;
