@@ -170,3 +170,214 @@ fn reconnects_and_resubscribes_after_a_server_restart() {
     go_tx.send(()).unwrap();
     handle.join().unwrap();
 }
+
+/// A scripted NATS server for one connection: sends INFO, answers the handshake's PING and
+/// returns what it read after it.
+fn fake_handshake(s: &mut std::net::TcpStream) -> Vec<u8> {
+    use std::io::{Read, Write};
+    s.write_all(
+        b"INFO {\"server_id\":\"fake\",\"version\":\"2.10.0\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(i) = buf.windows(6).position(|w| w == b"PING\r\n") {
+            s.write_all(b"PONG\r\n").unwrap();
+            return buf.split_off(i + 6);
+        }
+        let n = s.read(&mut chunk).unwrap();
+        assert!(n > 0, "client left during the handshake");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Reads PUBs, answering PINGs, until the first PING after a PUB on `end` (`ended` is set
+/// when that PUB is read); returns the payloads.
+fn fake_collect(
+    s: &mut std::net::TcpStream,
+    mut buf: Vec<u8>,
+    end: &str,
+    ended: &std::sync::atomic::AtomicBool,
+) -> Vec<Vec<u8>> {
+    use std::io::{Read, Write};
+    use std::sync::atomic::Ordering;
+    let mut payloads = Vec::new();
+    let mut chunk = vec![0u8; 1 << 16];
+    loop {
+        // Every complete operation in `buf`.
+        while let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") {
+            let line = String::from_utf8_lossy(&buf[..eol]).into_owned();
+            if let Some(rest) = line.strip_prefix("PUB ") {
+                let parts: Vec<&str> = rest.split(' ').collect();
+                let size: usize = parts.last().unwrap().parse().unwrap();
+                if buf.len() < eol + 2 + size + 2 {
+                    break;
+                }
+                let payload = buf[eol + 2..eol + 2 + size].to_vec();
+                buf.drain(..eol + 2 + size + 2);
+                if parts[0] == end {
+                    ended.store(true, Ordering::SeqCst);
+                } else {
+                    payloads.push(payload);
+                }
+            } else {
+                buf.drain(..eol + 2);
+                if line == "PING" {
+                    s.write_all(b"PONG\r\n").unwrap();
+                    if ended.load(Ordering::SeqCst) {
+                        return payloads;
+                    }
+                }
+            }
+        }
+        let n = s.read(&mut chunk).unwrap();
+        assert!(n > 0, "client left before the end marker");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[test]
+fn a_batch_cut_off_by_a_dropped_connection_is_sent_again() {
+    // The first connection stops reading, so the client's writer blocks on a full socket
+    // in the middle of a large batch; then the server drops it (with unread data: a reset,
+    // seen by the client's reader). Every message must reach the second connection. The
+    // batch also carries a flush's PING, which fails with the connection; sent again, its
+    // PONG must not end the flush made after the reconnect.
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const N: u32 = 4000;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("nats://{}", listener.local_addr().unwrap());
+    let (stalled_tx, stalled_rx) = std::sync::mpsc::channel::<()>();
+    let ended = Arc::new(AtomicBool::new(false));
+    let server_ended = ended.clone();
+    let server = std::thread::spawn(move || {
+        let (mut first, _) = listener.accept().unwrap();
+        fake_handshake(&mut first);
+        stalled_rx.recv().unwrap();
+        drop(first);
+        let (mut second, _) = listener.accept().unwrap();
+        let rest = fake_handshake(&mut second);
+        // Time for the client to queue its last flush before the resent PING is answered.
+        std::thread::sleep(Duration::from_millis(300));
+        fake_collect(&mut second, rest, "end", &server_ended)
+    });
+    let client = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let c = Client::connect(Options {
+                servers: vec![url],
+                ping_interval: Duration::from_secs(60),
+                max_pending_bytes: 64 << 20,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let mut payload = vec![0u8; 4096];
+            for i in 0..N {
+                payload[..4].copy_from_slice(&i.to_le_bytes());
+                c.publish("data", &payload).await.unwrap();
+            }
+            let early = c.clone();
+            let early = glommio::spawn_local(async move { early.flush(T).await });
+            // The writer takes the 16 MB batch and blocks once the socket buffers are full.
+            glommio::timer::sleep(Duration::from_millis(300)).await;
+            stalled_tx.send(()).unwrap();
+            let start = std::time::Instant::now();
+            while c.stats().reconnects == 0 {
+                assert!(start.elapsed() < Duration::from_secs(10), "no reconnect");
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(early.await, Err(NatsError::NotConnected));
+            c.publish("end", b"").await.unwrap();
+            c.flush(Duration::from_secs(10)).await.unwrap();
+            assert!(
+                ended.load(Ordering::SeqCst),
+                "the flush returned before the server read what preceded it"
+            );
+            c.close();
+        })
+    });
+    client.join().unwrap();
+    let payloads = server.join().unwrap();
+    let mut seen = vec![false; N as usize];
+    for p in &payloads {
+        seen[u32::from_le_bytes(p[..4].try_into().unwrap()) as usize] = true;
+    }
+    let missing = seen.iter().filter(|s| !**s).count();
+    assert_eq!(missing, 0, "{missing} of {N} messages never arrived");
+}
+
+#[test]
+fn flush_waits_for_its_own_pong_not_a_keepalive_one() {
+    // The server answers a keepalive PING before it has read what the client published
+    // after it: that PONG must not end the flush that follows the publication.
+    use std::io::{Read, Write};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("nats://{}", listener.local_addr().unwrap());
+    let got_x = Arc::new(AtomicBool::new(false));
+    let (keepalive_tx, keepalive_rx) = std::sync::mpsc::channel::<()>();
+    let seen = got_x.clone();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = fake_handshake(&mut s);
+        let mut chunk = [0u8; 4096];
+        // Up to the first keepalive PING, left unanswered for now.
+        let after_ping = loop {
+            if let Some(i) = buf.windows(6).position(|w| w == b"PING\r\n") {
+                break buf.split_off(i + 6);
+            }
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0);
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        keepalive_tx.send(()).unwrap();
+        // The client publishes and flushes now; its bytes wait unread while the keepalive
+        // PING is answered.
+        std::thread::sleep(Duration::from_millis(50));
+        s.write_all(b"PONG\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let mut buf = after_ping;
+        loop {
+            while let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") {
+                let line = String::from_utf8_lossy(&buf[..eol]).into_owned();
+                if line.starts_with("PUB x ") {
+                    seen.store(true, Ordering::SeqCst);
+                    buf.drain(..eol + 2 + 1 + 2); // the one-byte payload and its CRLF
+                    continue;
+                }
+                buf.drain(..eol + 2);
+                if line == "PING" {
+                    s.write_all(b"PONG\r\n").unwrap();
+                }
+            }
+            let n = s.read(&mut chunk).unwrap_or(0);
+            if n == 0 {
+                return;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    });
+    on_glommio(move || async move {
+        let c = Client::connect(Options {
+            servers: vec![url],
+            ping_interval: Duration::from_millis(200),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        while keepalive_rx.try_recv().is_err() {
+            glommio::timer::sleep(Duration::from_millis(1)).await;
+        }
+        c.publish("x", b"!").await.unwrap();
+        c.flush(Duration::from_secs(5)).await.unwrap();
+        assert!(
+            got_x.load(Ordering::SeqCst),
+            "flush returned before the server read the publication"
+        );
+        c.close();
+    });
+    server.join().unwrap();
+}

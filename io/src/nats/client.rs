@@ -11,12 +11,20 @@
 //! more than `max_pending_bytes`, `publish` waits for the writer to drain it
 //! (backpressure). Payloads above the server's `max_payload` are refused with a typed error.
 //!
+//! Delivery across a lost connection is at least once: a batch that was not written
+//! through, because the write failed or because the reader saw the connection die first,
+//! goes back in front of the buffer whole and is sent again after the next handshake (the
+//! server may then see the start of that batch twice). Each PING is matched to its PONG by
+//! order: a flush ends on its own PONG, never on a keepalive's, and a flush whose connection
+//! dies fails with `NotConnected` (its PING, if unsent, goes out again and its PONG is
+//! skipped).
+//!
 //! Delivered messages go to each subscription's bounded channel; when a subscriber falls
 //! behind, messages for it are dropped and counted (`Stats::dropped`), never buffered
 //! without bound.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -143,6 +151,12 @@ pub struct Stats {
     pub server_errors: u64,
 }
 
+/// Who waits for a PING's PONG.
+enum Ping {
+    Keepalive,
+    Flush(flume::Sender<Result<(), NatsError>>),
+}
+
 struct SubEntry {
     subject: String,
     queue: Option<String>,
@@ -156,8 +170,17 @@ struct State {
     connected: bool,
     closed: bool,
     info: Option<ServerInfo>,
-    pong_waiters: Vec<flume::Sender<Result<(), NatsError>>>,
+    /// Who waits for each PING this connection owes a PONG for, in the order the PINGs
+    /// went into `out` (so in the order their PONGs come back).
+    pings: VecDeque<Ping>,
+    /// Keepalive PINGs without their PONG yet.
     pings_outstanding: u32,
+    /// PING commands in the bytes of `out` (a batch being written counts until it is
+    /// through; a failed one comes back with its PINGs).
+    pings_in_out: usize,
+    /// PONGs still to come that nobody waits for: answers to PINGs of an earlier
+    /// connection that are sent again with the unsent bytes.
+    stale_pongs: usize,
     inbox_prefix: String,
     inbox_sid: Option<u64>,
     next_token: u64,
@@ -165,6 +188,41 @@ struct State {
     stats: Stats,
     last_error: Option<NatsError>,
     ever_connected: bool,
+}
+
+impl State {
+    /// Queues a PING, answered (in order) to `who`.
+    fn ping(&mut self, who: Ping) {
+        encode::ping(&mut self.out);
+        self.pings_in_out += 1;
+        self.pings.push_back(who);
+    }
+}
+
+/// A batch the writer has taken out of `out`. Dropped before it is through (a write error,
+/// or the connection's tasks cancelled because the reader failed first), it goes back in
+/// front of `out` with its PINGs, so that the next connection sends it again: delivery
+/// stays at least once (a batch cut off midway is sent whole again).
+struct InFlight<'a> {
+    inner: &'a Inner,
+    batch: Vec<u8>,
+    pings: usize,
+    through: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.through {
+            return;
+        }
+        // No borrow of the state is held across an await point, so none is live while a
+        // future holding this value is dropped.
+        let mut s = self.inner.state.borrow_mut();
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.append(&mut s.out);
+        s.out = batch;
+        s.pings_in_out += self.pings;
+    }
 }
 
 struct Inner {
@@ -289,8 +347,10 @@ impl Client {
                 connected: false,
                 closed: false,
                 info: None,
-                pong_waiters: Vec::new(),
+                pings: VecDeque::new(),
                 pings_outstanding: 0,
+                pings_in_out: 0,
+                stale_pongs: 0,
                 inbox_prefix,
                 inbox_sid: None,
                 next_token: 1,
@@ -481,8 +541,14 @@ impl Client {
                 let mut s = self.0.state.borrow_mut();
                 s.connected = false;
                 s.last_error = Some(err.clone());
-                for w in s.pong_waiters.drain(..) {
-                    let _ = w.try_send(Err(NatsError::NotConnected));
+                // The PINGs still in `out` go out again on the next connection, whose
+                // PONGs for them nobody waits for any more.
+                s.stale_pongs = s.pings_in_out;
+                s.pings_outstanding = 0;
+                for p in s.pings.drain(..) {
+                    if let Ping::Flush(w) = p {
+                        let _ = w.try_send(Err(NatsError::NotConnected));
+                    }
                 }
                 if s.closed {
                     return;
@@ -499,8 +565,10 @@ impl Client {
         s.last_error = Some(err);
         s.subs.clear();
         s.requests.clear();
-        for w in s.pong_waiters.drain(..) {
-            let _ = w.try_send(Err(NatsError::Closed));
+        for p in s.pings.drain(..) {
+            if let Ping::Flush(w) = p {
+                let _ = w.try_send(Err(NatsError::Closed));
+            }
         }
         drop(s);
         let _ = self.0.drained.try_send(());
@@ -533,28 +601,36 @@ impl Client {
         };
         let writer = async {
             loop {
-                let batch = std::mem::take(&mut self.0.state.borrow_mut().out);
-                if batch.is_empty() {
+                let mut flight = {
+                    let mut s = self.0.state.borrow_mut();
+                    if s.out.is_empty() {
+                        None
+                    } else {
+                        let pings = std::mem::take(&mut s.pings_in_out);
+                        Some(InFlight {
+                            inner: &self.0,
+                            batch: std::mem::take(&mut s.out),
+                            pings,
+                            through: false,
+                        })
+                    }
+                };
+                let Some(f) = flight.as_mut() else {
                     if self.0.wake_rx.recv_async().await.is_err() {
                         return NatsError::Closed;
                     }
                     continue;
-                }
+                };
                 let res = async {
-                    wr.write_all(&batch).await?;
+                    wr.write_all(&f.batch).await?;
                     wr.flush().await
                 }
                 .await;
                 if let Err(e) = res {
-                    // Put the unsent bytes back in front; the next connection resends them
-                    // after its handshake (at-least-once for a partially written batch).
-                    let mut s = self.0.state.borrow_mut();
-                    let mut rest = std::mem::take(&mut s.out);
-                    let mut batch = batch;
-                    batch.append(&mut rest);
-                    s.out = batch;
+                    // `flight` goes back in front of `out` as it drops.
                     return NatsError::Io(e.to_string());
                 }
+                f.through = true;
                 let _ = self.0.drained.try_send(());
             }
         };
@@ -593,10 +669,18 @@ impl Client {
                 let _ = self.0.wake_writer.try_send(());
             }
             ServerOp::Pong => {
-                s.pings_outstanding = s.pings_outstanding.saturating_sub(1);
-                if !s.pong_waiters.is_empty() {
-                    let w = s.pong_waiters.remove(0);
-                    let _ = w.try_send(Ok(()));
+                if s.stale_pongs > 0 {
+                    s.stale_pongs -= 1;
+                } else {
+                    match s.pings.pop_front() {
+                        Some(Ping::Keepalive) => {
+                            s.pings_outstanding = s.pings_outstanding.saturating_sub(1);
+                        }
+                        Some(Ping::Flush(w)) => {
+                            let _ = w.try_send(Ok(()));
+                        }
+                        None => {}
+                    }
                 }
             }
             ServerOp::Info(info) => s.info = Some(*info),
@@ -632,7 +716,7 @@ impl Client {
                 continue;
             }
             s.pings_outstanding += 1;
-            encode::ping(&mut s.out);
+            s.ping(Ping::Keepalive);
             drop(s);
             let _ = self.0.wake_writer.try_send(());
         }
@@ -746,8 +830,7 @@ impl Client {
             if !s.connected {
                 return Err(NatsError::NotConnected);
             }
-            s.pong_waiters.push(tx);
-            encode::ping(&mut s.out);
+            s.ping(Ping::Flush(tx));
         }
         let _ = self.0.wake_writer.try_send(());
         let wait = async { rx.recv_async().await.unwrap_or(Err(NatsError::Closed)) };
