@@ -228,6 +228,8 @@ fn fake_collect(
                     if ended.load(Ordering::SeqCst) {
                         return payloads;
                     }
+                    // Time for a client that took this PONG for a later PING's to show it.
+                    std::thread::sleep(Duration::from_millis(200));
                 }
             }
         }
@@ -344,6 +346,9 @@ fn flush_waits_for_its_own_pong_not_a_keepalive_one() {
             while let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") {
                 let line = String::from_utf8_lossy(&buf[..eol]).into_owned();
                 if line.starts_with("PUB x ") {
+                    if buf.len() < eol + 2 + 1 + 2 {
+                        break;
+                    }
                     seen.store(true, Ordering::SeqCst);
                     buf.drain(..eol + 2 + 1 + 2); // the one-byte payload and its CRLF
                     continue;

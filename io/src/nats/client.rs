@@ -11,10 +11,12 @@
 //! more than `max_pending_bytes`, `publish` waits for the writer to drain it
 //! (backpressure). Payloads above the server's `max_payload` are refused with a typed error.
 //!
-//! Delivery across a lost connection is at least once: a batch that was not written
-//! through, because the write failed or because the reader saw the connection die first,
-//! goes back in front of the buffer whole and is sent again after the next handshake (the
-//! server may then see the start of that batch twice). Each PING is matched to its PONG by
+//! When a connection is lost, nothing still in the buffer is lost with it: a batch that was
+//! not written through, because the write failed or because the reader saw the connection
+//! die first, goes back in front of the buffer whole and is sent again after the next
+//! handshake (the server may then see the start of that batch twice). Bytes the socket
+//! accepted before the connection died may still be lost with it: only a `flush` that
+//! returns `Ok` confirms that the server got them. Each PING is matched to its PONG by
 //! order: a flush ends on its own PONG, never on a keepalive's, and a flush whose connection
 //! dies fails with `NotConnected` (its PING, if unsent, goes out again and its PONG is
 //! skipped).
@@ -536,6 +538,11 @@ impl Client {
                 },
             };
             while self.0.kill_rx.try_recv().is_ok() {}
+            if self.0.state.borrow().closed {
+                // Closed during the handshake: its `kill` was drained just above.
+                self.0.state.borrow_mut().connected = false;
+                return;
+            }
             let err = self.serve(stream).await;
             {
                 let mut s = self.0.state.borrow_mut();
@@ -811,7 +818,9 @@ impl Client {
 
     fn unsubscribe(&self, sid: u64) {
         let mut s = self.0.state.borrow_mut();
-        if s.subs.remove(&sid).is_some() && s.connected {
+        // Also while disconnected: the SUB may still wait in the buffer, to be sent after
+        // the reconnect (the server ignores an UNSUB for an id it does not know).
+        if s.subs.remove(&sid).is_some() && !s.closed {
             encode::unsubscribe(&mut s.out, sid, None);
             drop(s);
             let _ = self.0.wake_writer.try_send(());
