@@ -608,25 +608,20 @@ impl Client {
         };
         let writer = async {
             loop {
-                let mut flight = {
-                    let mut s = self.0.state.borrow_mut();
-                    if s.out.is_empty() {
-                        None
-                    } else {
-                        let pings = std::mem::take(&mut s.pings_in_out);
-                        Some(InFlight {
-                            inner: &self.0,
-                            batch: std::mem::take(&mut s.out),
-                            pings,
-                            through: false,
-                        })
-                    }
-                };
-                let Some(f) = flight.as_mut() else {
+                if self.0.state.borrow().out.is_empty() {
                     if self.0.wake_rx.recv_async().await.is_err() {
                         return NatsError::Closed;
                     }
                     continue;
+                }
+                let mut f = {
+                    let mut s = self.0.state.borrow_mut();
+                    InFlight {
+                        inner: &self.0,
+                        pings: std::mem::take(&mut s.pings_in_out),
+                        batch: std::mem::take(&mut s.out),
+                        through: false,
+                    }
                 };
                 let res = async {
                     wr.write_all(&f.batch).await?;
@@ -634,7 +629,7 @@ impl Client {
                 }
                 .await;
                 if let Err(e) = res {
-                    // `flight` goes back in front of `out` as it drops.
+                    // `f` goes back in front of `out` as it drops.
                     return NatsError::Io(e.to_string());
                 }
                 f.through = true;

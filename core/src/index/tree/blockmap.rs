@@ -192,8 +192,8 @@ mod tests {
             match x % 4 {
                 0 => assert_eq!(m.remove_h(name_hash(key), key), r.remove(&key)),
                 1 => {
-                    // Hints taken before other keys came and went: stale or not, the
-                    // answer is right.
+                    // A hint taken before another key went (removals move no entry, so
+                    // it still holds; stale hints have their own test below).
                     let h = name_hash(key);
                     let at = m.bucket_h(h, key);
                     assert_eq!(at == NO_BUCKET, !r.contains_key(&key));
