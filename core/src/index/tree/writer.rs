@@ -40,6 +40,8 @@ use crate::worker::{WorkerDp, WorkerId};
 
 pub(crate) type NodeId = u32;
 pub(crate) const ROOT: NodeId = 0;
+/// How many names ahead of its probe a name's map lines are prefetched.
+const PREFETCH_AHEAD: usize = 16;
 const NO_PARTIAL: u32 = u32::MAX;
 
 #[inline]
@@ -58,6 +60,9 @@ struct TailRun {
     node: NodeId,
     lo: u32,
     hi: u32,
+    /// The worker's `max_kid_attach` on the node (unchanged while the run grows): the run
+    /// may grow down to this position with nothing of the worker's below it.
+    floor: u32,
 }
 
 /// One worker's hold on one node.
@@ -220,6 +225,8 @@ pub struct ShardWriter {
     buckets: Vec<usize>,
     /// Scratch: where the worker already has each name of a stored chain.
     held: Vec<Option<u64>>,
+    /// Scratch: the local hashes of the new part of a stored chain.
+    locals: Vec<u64>,
     /// Unlinked objects waiting for their grace period.
     garbage: Reclaimer,
 }
@@ -248,6 +255,7 @@ impl ShardWriter {
             hashes: Vec::new(),
             buckets: Vec::new(),
             held: Vec::new(),
+            locals: Vec::new(),
             garbage: Reclaimer::new(),
         }
     }
@@ -382,11 +390,17 @@ impl ShardWriter {
                 let mut buckets = std::mem::take(&mut self.buckets);
                 hs.clear();
                 buckets.clear();
+                self.state(slot).blocks.ready_prefetch();
                 let map = self.map(slot);
-                for h in &r.block_hashes {
-                    let hash = name_hash(h.0);
-                    hs.push(hash);
-                    buckets.push(map.bucket_h(hash, h.0));
+                hs.extend(r.block_hashes.iter().map(|h| name_hash(h.0)));
+                for &hash in hs.iter().take(PREFETCH_AHEAD) {
+                    map.prefetch_removal(hash);
+                }
+                for (i, h) in r.block_hashes.iter().enumerate() {
+                    if let Some(&ahead) = hs.get(i + PREFETCH_AHEAD) {
+                        map.prefetch_removal(ahead);
+                    }
+                    buckets.push(map.bucket_h(hs[i], h.0));
                 }
                 // Leaf-first eviction names a chain tail first: consecutive blocks of one
                 // edge, each the worker's last there. Such a run is dropped with one
@@ -405,7 +419,8 @@ impl ShardWriter {
                     };
                     let (x, q) = unpack(loc);
                     if let Some(r) = run.as_mut() {
-                        if r.node == x && q + 1 == r.lo && self.nothing_below(x, slot, q) {
+                        // Nothing of the worker's below `q`, from what the run remembered.
+                        if r.node == x && q + 1 == r.lo && r.floor <= q {
                             r.lo = q;
                             continue;
                         }
@@ -413,12 +428,19 @@ impl ShardWriter {
                         run = None;
                     }
                     let m = &self.nodes[x as usize];
-                    let last = m.holder(slot).is_some_and(|i| m.holders[i].cutoff == q + 1);
-                    if last && self.nothing_below(x, slot, q) {
+                    // The worker's last block there, with nothing of its below: no child
+                    // attached past `q` (`max_kid_attach` is an upper bound, 0 while it
+                    // holds no child; a false alarm takes the exact path of `drop_from`).
+                    let tail = m
+                        .holder(slot)
+                        .map(|i| m.holders[i])
+                        .filter(|h| h.cutoff == q + 1 && h.max_kid_attach <= q);
+                    if let Some(h) = tail {
                         run = Some(TailRun {
                             node: x,
                             lo: q,
                             hi: q,
+                            floor: h.max_kid_attach,
                         });
                     } else {
                         out.removed += self.drop_from(slot, loc, guard);
@@ -514,32 +536,44 @@ impl ShardWriter {
         // was claimed by this very chain (claims never outlive their event): the chain
         // names that block twice.
         let map = &mut self.state(slot).blocks;
+        map.ready_prefetch();
+        for &h in hs.iter().take(PREFETCH_AHEAD) {
+            map.prefetch(h);
+        }
         let mut repeated = None;
-        for (b, &h) in blocks.iter().zip(&hs) {
+        let mut any_held = false;
+        let mut names_parent = false;
+        let parent_name = parent.map(|p| p.0);
+        for (i, (b, &h)) in blocks.iter().zip(&hs).enumerate() {
+            if let Some(&ahead) = hs.get(i + PREFETCH_AHEAD) {
+                map.prefetch(ahead);
+            }
             let (v, at) = map.claim_h(h, b.block_hash.0);
             if v.is_some_and(|v| v & CLAIMED != 0) {
                 repeated = Some(b.block_hash);
                 break;
             }
+            any_held |= v.is_some();
+            names_parent |= parent_name == Some(b.block_hash.0);
             held.push(v);
             buckets.push(at);
         }
-        // The held names' values back (their buckets are in cache from the claim).
-        for (((b, &h), &at), v) in blocks.iter().zip(&hs).zip(&buckets).zip(&held) {
-            if let Some(v) = *v {
-                map.set_at(at, h, b.block_hash.0, v);
+        if any_held {
+            // The held names' values back (their buckets are in cache from the claim).
+            for (((b, &h), &at), v) in blocks.iter().zip(&hs).zip(&buckets).zip(&held) {
+                if let Some(v) = *v {
+                    map.set_at(at, h, b.block_hash.0, v);
+                }
             }
         }
-        let rejected = repeated
-            .or(parent.filter(|p| blocks.iter().any(|b| b.block_hash == *p)))
-            .or_else(|| {
-                let ploc = parent_loc?;
-                blocks
-                    .iter()
-                    .zip(&held)
-                    .find(|(_, h)| h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)))
-                    .map(|(b, _)| b.block_hash)
-            });
+        let rejected = repeated.or(parent.filter(|_| names_parent)).or_else(|| {
+            let ploc = parent_loc.filter(|_| any_held)?;
+            blocks
+                .iter()
+                .zip(&held)
+                .find(|(_, h)| h.is_some_and(|loc| self.is_ancestor_or_self(unpack(loc), ploc)))
+                .map(|(b, _)| b.block_hash)
+        });
         if let Some(b) = rejected {
             // Rejected: the reservations made so far go, and the map is as it was.
             let map = &mut self.state(slot).blocks;
@@ -553,7 +587,9 @@ impl ShardWriter {
             self.buckets = buckets;
             return Err(invalid(b));
         }
-        let out = self.store_chain(slot, parent_loc, blocks, &hs, &buckets, &mut held, guard);
+        let out = self.store_chain(
+            slot, parent_loc, blocks, &hs, &buckets, &mut held, any_held, guard,
+        );
         self.held = held;
         self.hashes = hs;
         self.buckets = buckets;
@@ -573,11 +609,14 @@ impl ShardWriter {
         hs: &[u64],
         buckets: &[usize],
         held: &mut [Option<u64>],
+        mut any_held: bool,
         guard: &Guard,
     ) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
-        // Once a cascade or rename rewrote the map, `held` is refreshed for what is left.
+        // Once a cascade or rename rewrote the map, `held` is refreshed for what is left
+        // (and `any_held` with it: whether any of it is held).
         let refresh = |w: &Self, held: &mut [Option<u64>], from: usize| {
+            let mut any = false;
             for ((h, b), &x) in held[from..]
                 .iter_mut()
                 .zip(&blocks[from..])
@@ -587,7 +626,9 @@ impl ShardWriter {
                     .map(slot)
                     .get_h(x, b.block_hash.0)
                     .filter(|&v| v != PENDING);
+                any |= h.is_some();
             }
+            any
         };
         let (mut n, mut next) = parent_loc.map_or((ROOT, 0), |(n, p)| (n, p + 1));
         let mut i = 0;
@@ -610,7 +651,7 @@ impl ShardWriter {
                 self.blocks -= dropped as usize;
                 out.removed += dropped;
                 held[i] = None;
-                refresh(self, held, i + 1);
+                any_held = refresh(self, held, i + 1);
                 target = self.locate(n, next, b.tokens_hash.0, guard);
             }
             match target {
@@ -619,7 +660,7 @@ impl ShardWriter {
                     let loc = pack(t, p);
                     self.state(slot).blocks.remove_where(|_, v| v == loc);
                     self.state(slot).blocks.set_at(buckets[i], hs[i], ext, loc);
-                    refresh(self, held, i + 1);
+                    any_held = refresh(self, held, i + 1);
                     out.stored += 1;
                     (n, next) = (t, p + 1);
                     i += 1;
@@ -653,24 +694,28 @@ impl ShardWriter {
                 }
                 None => {
                     // New storage for the rest of the chain. Names the worker already uses
-                    // elsewhere are moved first.
-                    for j in i..blocks.len() {
-                        if held[j].is_none() {
-                            continue;
-                        }
-                        if let Some(old) = self
-                            .state(slot)
-                            .blocks
-                            .remove_h(hs[j], blocks[j].block_hash.0)
-                        {
-                            let dropped = self.drop_from(slot, old, guard);
-                            self.blocks -= dropped as usize;
-                            out.removed += dropped;
-                            refresh(self, held, j + 1);
+                    // elsewhere are moved first (`held` is all `None` unless `any_held`).
+                    if any_held {
+                        for j in i..blocks.len() {
+                            if held[j].is_none() {
+                                continue;
+                            }
+                            if let Some(old) = self
+                                .state(slot)
+                                .blocks
+                                .remove_h(hs[j], blocks[j].block_hash.0)
+                            {
+                                let dropped = self.drop_from(slot, old, guard);
+                                self.blocks -= dropped as usize;
+                                out.removed += dropped;
+                                refresh(self, held, j + 1);
+                            }
                         }
                     }
                     let rest = &blocks[i..];
-                    let locals: Vec<u64> = rest.iter().map(|b| b.tokens_hash.0).collect();
+                    let mut locals = std::mem::take(&mut self.locals);
+                    locals.clear();
+                    locals.extend(rest.iter().map(|b| b.tokens_hash.0));
                     let m = &self.nodes[n as usize];
                     let (t, start) = if n != ROOT
                         && next == m.len
@@ -688,6 +733,7 @@ impl ShardWriter {
                     {
                         map.set_at(at, x, blk.block_hash.0, pack(t, start + j as u32));
                     }
+                    self.locals = locals;
                     self.blocks += rest.len();
                     out.stored += rest.len() as u32;
                     break;
@@ -695,18 +741,6 @@ impl ShardWriter {
             }
         }
         out
-    }
-
-    /// Whether `slot` certainly holds no child of `x` attached below position `q`
-    /// (`max_kid_attach` is an upper bound: `false` may be a false alarm, which the exact
-    /// path of [`Self::drop_from`] settles).
-    #[inline]
-    fn nothing_below(&self, x: NodeId, slot: u32, q: u32) -> bool {
-        let m = &self.nodes[x as usize];
-        m.holder(slot).is_some_and(|i| {
-            let h = &m.holders[i];
-            h.kids == 0 || h.max_kid_attach <= q
-        })
     }
 
     /// Drops a tail run found by the removal loop: blocks `[lo, hi]` of the run's node,
