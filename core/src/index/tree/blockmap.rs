@@ -18,11 +18,14 @@
 //! name's lines (control group and entries) 16 names ahead of its probe, so that the misses
 //! overlap: on the shared replay log this took a quarter off the sequential replay.
 //!
-//! We measured a Robin Hood table with a separate tag array (non-power-of-two capacity,
-//! 7/8 load): 8 bytes per cached block smaller, but about 20 % slower on the shared replay
-//! log, where every removal is a cache miss and hashbrown's SIMD control groups probe
-//! faster (that was before prefetching). Memory stays under half of Dynamo's per block with
-//! hashbrown (docs/BENCHMARKS.md).
+//! Tables we measured and dropped, on the shared replay log: a Robin Hood table with a
+//! separate tag array (non-power-of-two capacity, 7/8 load), 8 bytes per cached block
+//! smaller but about 20 % slower than hashbrown (both without prefetching); and, with the
+//! same prefetching, linear probing over inline 16-byte `(key, value)` slots (one line per
+//! probe instead of a control line and an entry line), 25-30 % slower than hashbrown both
+//! with backward-shift removal (closing the gap re-hashes the rest of the cluster) and with
+//! tombstones (longer probes). Memory stays under half of Dynamo's per block with hashbrown
+//! (docs/BENCHMARKS.md).
 
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
