@@ -8,9 +8,9 @@
 //! and, where absent, reserved in the same probe ([`BlockMap::claim_h`]), so that the
 //! misses of the inserts overlap with those of the lookups. That probe also marks each
 //! name as claimed by the chain, which is how a chain that names a block twice is caught,
-//! and remembers the name's bucket, so that setting or removing it later needs no second
-//! probe ([`BlockMap::set_at`], [`BlockMap::remove_at`]: a bucket is only a hint, checked
-//! against the key, so a stale one costs the probe and nothing else).
+//! and remembers the name's bucket, so that setting it once the chain is placed needs no
+//! second probe ([`BlockMap::set_at`]: a bucket is only a hint, checked against the key, so
+//! a stale one costs the probe and nothing else). A removal is one probe per name.
 //!
 //! The names of an event are random keys, so each probe misses the cache (the replay
 //! streams its events through the last-level cache, so the misses often go to memory). The
@@ -38,9 +38,6 @@ pub(crate) const PENDING: u64 = u64::MAX;
 /// No stored value has it: node ids stay below 2^31 (a tree of 2^31 nodes would need
 /// hundreds of GiB).
 pub(crate) const CLAIMED: u64 = 1 << 63;
-
-/// A bucket hint that names no bucket: the key was absent when the hint was taken.
-pub(crate) const NO_BUCKET: usize = usize::MAX;
 
 /// Asks the cache for the line at `addr`, if the target can.
 #[inline(always)]
@@ -176,7 +173,7 @@ impl BlockMap {
 
     /// Claims `key` (`hash == name_hash(key)`) for the chain being validated: returns its
     /// value from before the claim, or `None` and inserts it as [`PENDING`] if absent; and
-    /// either way the entry's bucket, a hint for [`Self::set_at`] and [`Self::remove_at`].
+    /// either way the entry's bucket, a hint for [`Self::set_at`].
     /// A present value gets [`CLAIMED`] set, so that a second claim of the same name
     /// returns a value with [`CLAIMED`] set ([`PENDING`] has it too). The caller restores
     /// every value it claimed, and sets or removes every name it reserved, before the map
@@ -193,15 +190,6 @@ impl BlockMap {
         }
     }
 
-    /// The bucket holding `key` (`hash == name_hash(key)`), a hint for
-    /// [`Self::remove_at`]; [`NO_BUCKET`] when absent.
-    #[inline]
-    pub(crate) fn bucket_h(&self, hash: u64, key: u64) -> usize {
-        self.table
-            .find_bucket_index(hash, |e| e.0 == key)
-            .unwrap_or(NO_BUCKET)
-    }
-
     /// [`Self::set_h`], trying bucket `hint` first: a hint from this map that still holds
     /// `key` saves the probe. Any hint is safe: a stale one (the table grew or rehashed, or
     /// the entry went) is caught by the key check and falls back to the probe.
@@ -213,26 +201,11 @@ impl BlockMap {
         }
     }
 
-    /// [`Self::remove_h`], trying bucket `hint` first (as for [`Self::set_at`]).
-    #[inline(always)]
-    pub(crate) fn remove_at(&mut self, hint: usize, hash: u64, key: u64) -> Option<u64> {
-        match self.table.get_bucket_entry(hint) {
-            Ok(e) if e.get().0 == key => Some(e.remove().0.1),
-            _ => self.remove_cold(hash, key),
-        }
-    }
-
-    // The probes behind a stale hint, kept out of line so that the hinted paths stay small.
+    // The probe behind a stale hint, kept out of line so that the hinted path stays small.
     #[cold]
     #[inline(never)]
     fn set_cold(&mut self, hash: u64, key: u64, val: u64) {
         self.set_h(hash, key, val)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn remove_cold(&mut self, hash: u64, key: u64) -> Option<u64> {
-        self.remove_h(hash, key)
     }
 
     /// Sets `key` (`hash == name_hash(key)`) to `val`, inserting it if absent.
@@ -290,12 +263,12 @@ mod tests {
                     // A hint taken before another key went (removals move no entry, so
                     // it still holds; stale hints have their own test below).
                     let h = name_hash(key);
-                    let at = m.bucket_h(h, key);
-                    assert_eq!(at == NO_BUCKET, !r.contains_key(&key));
+                    let (old, at) = m.claim_h(h, key);
+                    assert_eq!(old, r.get(&key).copied());
                     let other = key ^ 1;
-                    m.remove_h(name_hash(other), other);
-                    r.remove(&other);
-                    assert_eq!(m.remove_at(at, h, key), r.remove(&key));
+                    assert_eq!(m.remove_h(name_hash(other), other), r.remove(&other));
+                    m.set_at(at, h, key, step);
+                    r.insert(key, step);
                 }
                 2 => {
                     let h = name_hash(key);
@@ -340,7 +313,10 @@ mod tests {
         m.ready_prefetch();
         assert_eq!(m.ctrl_buckets, m.table.num_buckets());
         for k in 0..5_000u64 {
-            let i = m.bucket_h(name_hash(k), k);
+            let i = m
+                .table
+                .find_bucket_index(name_hash(k), |e| e.0 == k)
+                .expect("held");
             let e = m.table.get_bucket(i).expect("full bucket");
             assert_eq!(
                 m.entry_addr(i),
@@ -356,21 +332,18 @@ mod tests {
         for k in 0..8u64 {
             m.set_h(name_hash(k), k, k);
         }
-        let hints: Vec<usize> = (0..8u64).map(|k| m.bucket_h(name_hash(k), k)).collect();
+        let hints: Vec<usize> = (0..8u64).map(|k| m.claim_h(name_hash(k), k).1).collect();
         // Growth moves every entry: the hints now name other keys' buckets or none.
         for k in 100..20_000u64 {
             m.set_h(name_hash(k), k, k);
         }
-        for k in 0..4u64 {
+        for k in 0..8u64 {
             m.set_at(hints[k as usize], name_hash(k), k, k + 1000);
             assert_eq!(m.get(k), Some(k + 1000));
         }
-        for k in 4..8u64 {
-            assert_eq!(m.remove_at(hints[k as usize], name_hash(k), k), Some(k));
-            assert_eq!(m.get(k), None);
-            assert_eq!(m.remove_at(hints[k as usize], name_hash(k), k), None);
-        }
-        assert_eq!(m.remove_at(NO_BUCKET, name_hash(0), 0), Some(1000));
-        assert_eq!(m.len(), 8 + 19_900 - 5);
+        // A hint past the table.
+        m.set_at(usize::MAX, name_hash(0), 0, 7);
+        assert_eq!(m.get(0), Some(7));
+        assert_eq!(m.len(), 8 + 19_900);
     }
 }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
 
-use super::blockmap::{BlockMap, CLAIMED, NO_BUCKET, PENDING, name_hash};
+use super::blockmap::{BlockMap, CLAIMED, PENDING, name_hash};
 use super::garbage::{Reclaimer, Retired};
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
@@ -381,39 +381,27 @@ impl ShardWriter {
             }
             KvEventData::Removed(r) => {
                 let mut out = ApplyOutcome::default();
-                // Look every name up first: the lookups are independent, so their cache
-                // misses overlap, and each remembers its bucket, so that the removals
-                // below go straight to it (nothing is inserted in between; a bucket that
-                // `drop_from` emptied meanwhile is caught by `remove_at`). Each name is
-                // hashed once, here.
+                // Every name is hashed first, so that each name's map lines can be asked
+                // for well before its probe: the probes' cache misses overlap.
                 let mut hs = std::mem::take(&mut self.hashes);
-                let mut buckets = std::mem::take(&mut self.buckets);
                 hs.clear();
-                buckets.clear();
-                self.state(slot).blocks.ready_prefetch();
-                let map = self.map(slot);
                 hs.extend(r.block_hashes.iter().map(|h| name_hash(h.0)));
+                let map = &mut self.state(slot).blocks;
+                map.ready_prefetch();
                 for &hash in hs.iter().take(PREFETCH_AHEAD) {
                     map.prefetch_removal(hash);
-                }
-                for (i, h) in r.block_hashes.iter().enumerate() {
-                    if let Some(&ahead) = hs.get(i + PREFETCH_AHEAD) {
-                        map.prefetch_removal(ahead);
-                    }
-                    buckets.push(map.bucket_h(hs[i], h.0));
                 }
                 // Leaf-first eviction names a chain tail first: consecutive blocks of one
                 // edge, each the worker's last there. Such a run is dropped with one
                 // coverage change instead of one per block (same final state; a reader
                 // sees the run go at once instead of block by block).
                 let mut run: Option<TailRun> = None;
-                for ((h, &hash), &bucket) in r.block_hashes.iter().zip(&hs).zip(&buckets) {
-                    let removed = if bucket == NO_BUCKET {
-                        None
-                    } else {
-                        self.state(slot).blocks.remove_at(bucket, hash, h.0)
-                    };
-                    let Some(loc) = removed else {
+                for (i, (h, &hash)) in r.block_hashes.iter().zip(&hs).enumerate() {
+                    let map = &mut self.state(slot).blocks;
+                    if let Some(&ahead) = hs.get(i + PREFETCH_AHEAD) {
+                        map.prefetch_removal(ahead);
+                    }
+                    let Some(loc) = map.remove_h(hash, h.0) else {
                         out.not_found += 1;
                         continue;
                     };
@@ -450,7 +438,6 @@ impl ShardWriter {
                     out.removed += self.drop_run(slot, r, guard);
                 }
                 self.hashes = hs;
-                self.buckets = buckets;
                 self.blocks -= out.removed as usize;
                 Ok(out)
             }
