@@ -15,8 +15,9 @@
 //! The names of an event are random keys, so each probe misses the cache (the replay
 //! streams its events through the last-level cache, so the misses often go to memory). The
 //! writer hashes all of an event's names first and [prefetches](BlockMap::prefetch) each
-//! name's lines (control group and entries) 16 names ahead of its probe, so that the misses
-//! overlap: on the shared replay log this took a quarter off the sequential replay.
+//! name's lines (control group and entries) a fixed distance ahead of its probe (the
+//! writer's `PREFETCH_AHEAD`, 16 names), so that the misses overlap: on the shared replay
+//! log this took a quarter off the sequential replay.
 //!
 //! Tables we measured and dropped, on the shared replay log: a Robin Hood table with a
 //! separate tag array (non-power-of-two capacity, 7/8 load), 8 bytes per cached block
@@ -67,8 +68,9 @@ fn rehash(e: &(u64, u64)) -> u64 {
     name_hash(e.0)
 }
 
-/// See the [module docs](self).
-#[derive(Debug, Clone, Default)]
+/// See the [module docs](self). Not `Clone`: a copy would aim its prefetches at the
+/// original's table.
+#[derive(Debug, Default)]
 pub(crate) struct BlockMap {
     table: HashTable<(u64, u64)>,
     /// Where the table's control bytes start, and the bucket count it was taken at: a
@@ -96,11 +98,15 @@ impl BlockMap {
         buckets * 17
     }
 
-    /// Refreshes the address [`Self::prefetch`] aims at after the table moved.
+    /// Makes room for `additional` more names without moving the table, and refreshes the
+    /// address [`Self::prefetch`] aims at if the table moved (or had no entry to aim from).
+    /// Call before an event's prefetches: a table that grows in the middle of an event
+    /// would leave them aiming at the old one.
     #[inline]
-    pub(crate) fn ready_prefetch(&mut self) {
+    pub(crate) fn ready_prefetch(&mut self, additional: usize) {
+        self.table.reserve(additional, rehash);
         let n = self.table.num_buckets();
-        if n != self.ctrl_buckets {
+        if n != self.ctrl_buckets || (self.ctrl == 0 && !self.table.is_empty()) {
             self.ready_cold(n);
         }
     }
@@ -145,17 +151,20 @@ impl BlockMap {
         prefetch_line(data.wrapping_sub(64));
     }
 
-    /// [`Self::prefetch`] for a removal, which also reads the control group before the
-    /// entry's (hashbrown's erase looks at both to choose between empty and tombstone).
+    /// [`Self::prefetch`] for a removal, which also reads the control group that ends at
+    /// the entry's bucket (hashbrown's erase looks at the groups before and after the
+    /// entry to choose between empty and tombstone; we aim at the home bucket's, where 9 in
+    /// 10 entries sit within 3 buckets).
     #[inline(always)]
     pub(crate) fn prefetch_removal(&self, hash: u64) {
         if self.ctrl == 0 {
             return;
         }
-        let pos = (hash as usize) & (self.ctrl_buckets - 1);
-        let ctrl = self.ctrl.wrapping_add(pos);
-        if (ctrl & 63) < 16 {
-            prefetch_line(ctrl.wrapping_sub(16));
+        let mask = self.ctrl_buckets - 1;
+        let pos = (hash as usize) & mask;
+        let before = pos.wrapping_sub(16) & mask;
+        if (self.ctrl.wrapping_add(pos) & 63) < 16 || before > pos {
+            prefetch_line(self.ctrl.wrapping_add(before));
         }
         self.prefetch(hash);
     }
@@ -300,17 +309,17 @@ mod tests {
     #[test]
     fn prefetches_aim_at_the_entries() {
         let mut m = BlockMap::new();
-        m.ready_prefetch();
+        m.ready_prefetch(0);
         assert_eq!(m.ctrl, 0, "an empty table has nothing to aim at");
         m.prefetch(name_hash(1));
         for k in 0..5_000u64 {
             m.set_h(name_hash(k), k, k);
             if k % 1000 == 0 {
-                m.ready_prefetch();
+                m.ready_prefetch(0);
             }
         }
         // Growth moved the table; the next event's refresh follows it.
-        m.ready_prefetch();
+        m.ready_prefetch(0);
         assert_eq!(m.ctrl_buckets, m.table.num_buckets());
         for k in 0..5_000u64 {
             let i = m

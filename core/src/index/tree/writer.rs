@@ -220,7 +220,7 @@ pub struct ShardWriter {
     blocks: usize,
     /// Scratch: `name_hash` of each name of the event being applied.
     hashes: Vec<u64>,
-    /// Scratch: the name map's bucket of each name of the event (a hint, see
+    /// Scratch: the name map's bucket of each name of a stored chain (a hint, see
     /// [`BlockMap::set_at`]).
     buckets: Vec<usize>,
     /// Scratch: where the worker already has each name of a stored chain.
@@ -387,7 +387,7 @@ impl ShardWriter {
                 hs.clear();
                 hs.extend(r.block_hashes.iter().map(|h| name_hash(h.0)));
                 let map = &mut self.state(slot).blocks;
-                map.ready_prefetch();
+                map.ready_prefetch(0);
                 for &hash in hs.iter().take(PREFETCH_AHEAD) {
                     map.prefetch_removal(hash);
                 }
@@ -523,7 +523,9 @@ impl ShardWriter {
         // was claimed by this very chain (claims never outlive their event): the chain
         // names that block twice.
         let map = &mut self.state(slot).blocks;
-        map.ready_prefetch();
+        // Room for every name up front: the claims below then never move the table, so
+        // the prefetches keep aiming at it.
+        map.ready_prefetch(blocks.len());
         for &h in hs.iter().take(PREFETCH_AHEAD) {
             map.prefetch(h);
         }
