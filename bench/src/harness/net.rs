@@ -27,7 +27,7 @@ use kvrouter_core::codec::Subjects;
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
-use kvrouter_core::policy::Rng;
+use kvrouter_core::policy::{CostConfig, Rng};
 use kvrouter_io::nats::{Client, Options};
 use kvrouter_io::worker::{KvPublisher, PublisherOptions};
 use serde::{Deserialize, Serialize};
@@ -291,13 +291,21 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    if policy != Policy::Dynamo {
-        let c = &cfg.sim.cost;
+    {
+        // Dynamo runs Dynamo 1.6.1's weights; ours the run's.
+        let dynamo = CostConfig::dynamo();
+        let c = if policy == Policy::Dynamo {
+            &dynamo
+        } else {
+            &cfg.sim.cost
+        };
         a.extend([
             "--overlap-score-credit".to_owned(),
             c.overlap_score_credit.to_string(),
             "--prefill-load-scale".to_owned(),
             c.prefill_load_scale.to_string(),
+            "--new-block-weight".to_owned(),
+            c.new_block_weight.to_string(),
             "--temperature".to_owned(),
             c.temperature.to_string(),
         ]);

@@ -43,13 +43,12 @@ impl Ideals {
 /// A routing policy under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
-    /// Ours with default weights (Dynamo 1.6.1's formula and defaults), fed by KV events.
+    /// Ours with default weights ([`CostConfig::default`]), fed by KV events.
     KvAware,
     /// Ours with the herd-resistant option (power of two choices among the 3 cheapest).
     KvAwareP2c,
-    /// Dynamo 1.6.1's plain formula and default weights. Our defaults are the same
-    /// formula, so this row matches `kv-aware` until our defaults diverge from Dynamo's;
-    /// it is kept as the fixed baseline.
+    /// Dynamo 1.6.1's plain formula and default weights ([`CostConfig::dynamo`]), fed by
+    /// the same KV events: the fixed baseline.
     Dynamo,
     /// Request `i` to worker `i mod n`.
     RoundRobin,
@@ -259,7 +258,7 @@ fn run(
     let mut router = Router {
         policy,
         cost: match policy {
-            Policy::Dynamo => CostConfig::default(),
+            Policy::Dynamo => CostConfig::dynamo(),
             Policy::KvAwareP2c => CostConfig {
                 herd: Herd::PowerOfTwo { k: 3 },
                 ..cfg.cost
@@ -485,6 +484,34 @@ mod tests {
             rr.prefix_hit_ratio
         );
         assert!(kv.ttft_ms.mean < rr.ttft_ms.mean);
+    }
+
+    #[test]
+    fn our_weights_keep_more_of_the_cache_than_dynamos_on_the_bundled_sample() {
+        let trace = super::super::trace::load_trace(
+            include_str!("../../data/mooncake_conversation_sample.jsonl"),
+            None,
+        )
+        .unwrap();
+        let cfg = SimConfig::default();
+        let ideals = Ideals::compute(&trace, &cfg);
+        let ours = simulate(&trace, Policy::KvAware, &cfg, &ideals, |_| {});
+        let dynamo = simulate(&trace, Policy::Dynamo, &cfg, &ideals, |_| {});
+        // Same index, same events, same loads: only the weights differ. Ours keeps
+        // follow-ups on their cache (measured: 14.9 % hits against 11.3 %, of 16.4 %).
+        assert!(
+            ours.prefix_hit_ratio > dynamo.prefix_hit_ratio + 0.02,
+            "ours {} dynamo {}",
+            ours.prefix_hit_ratio,
+            dynamo.prefix_hit_ratio
+        );
+        assert!(ours.prefix_hit_ratio > 0.85 * ideals.capacity, "{ideals:?}");
+        assert!(ours.ttft_ms.mean < dynamo.ttft_ms.mean);
+        let share = |r: &PolicyReport| {
+            let n = &r.requests_per_worker;
+            *n.iter().max().unwrap() as f64 / (*n.iter().min().unwrap()).max(1) as f64
+        };
+        assert!(share(&ours) <= 2.0, "{:?}", ours.requests_per_worker);
     }
 
     #[test]

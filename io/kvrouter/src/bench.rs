@@ -52,6 +52,9 @@ pub(crate) struct BenchArgs {
     /// Our policies' weight of prefill load against decode load.
     #[arg(long, default_value_t = CostConfig::default().prefill_load_scale)]
     prefill_load_scale: f64,
+    /// Our policies' extra weight of each block a request would prefill from scratch (0: Dynamo's formula).
+    #[arg(long, default_value_t = CostConfig::default().new_block_weight)]
+    new_block_weight: f64,
     /// Our policies' softmax temperature (0: lowest cost wins).
     #[arg(long, default_value_t = CostConfig::default().temperature)]
     temperature: f64,
@@ -88,17 +91,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         bail!("--workers must be at least 1");
     }
     let positive = |x: f64| x > 0.0 && x.is_finite();
-    let non_negative = |x: f64| x >= 0.0 && x.is_finite();
     if !positive(args.speed) || !positive(args.engine.engine_speedup) {
         bail!("--speed and --engine-speedup must be positive");
-    }
-    if !(0.0..=1.0).contains(&args.overlap_credit)
-        || !non_negative(args.prefill_load_scale)
-        || !non_negative(args.temperature)
-    {
-        bail!(
-            "--overlap-credit must be in [0, 1]; --prefill-load-scale and --temperature at least 0"
-        );
     }
     if args.engine.block_size == 0 || 512 % args.engine.block_size != 0 {
         bail!("--block-size must divide 512 (the trace's block size)");
@@ -122,10 +116,14 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         cost: CostConfig {
             overlap_score_credit: args.overlap_credit,
             prefill_load_scale: args.prefill_load_scale,
+            new_block_weight: args.new_block_weight,
             temperature: args.temperature,
             ..CostConfig::default()
         },
     };
+    cfg.cost.check().map_err(anyhow::Error::msg).context(
+        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --temperature)",
+    )?;
     let span_s = trace.last().map_or(0, |r| r.timestamp) as f64 / 1000.0 / args.speed;
     eprintln!(
         "trace {name}: {} requests over {span_s:.0} s (speed {}), {} workers × {} KV blocks of {} tokens; policies: {}",

@@ -114,6 +114,9 @@ pub(crate) struct ServeArgs {
     /// Weight of prefill load against decode load.
     #[arg(long, env = "KVROUTER_PREFILL_LOAD_SCALE")]
     prefill_load_scale: Option<f64>,
+    /// Extra weight of each block a request would prefill from scratch (0: Dynamo's formula).
+    #[arg(long, env = "KVROUTER_NEW_BLOCK_WEIGHT")]
+    new_block_weight: Option<f64>,
     /// Softmax temperature (0: lowest cost).
     #[arg(long, env = "KVROUTER_TEMPERATURE")]
     temperature: Option<f64>,
@@ -163,6 +166,7 @@ pub(crate) struct ServeConfig {
     workers: Vec<String>,
     overlap_score_credit: f64,
     prefill_load_scale: f64,
+    new_block_weight: f64,
     temperature: f64,
     herd_k: usize,
     max_active_decode_blocks: Option<u64>,
@@ -202,6 +206,7 @@ impl Default for ServeConfig {
             workers: Vec::new(),
             overlap_score_credit: cost.overlap_score_credit,
             prefill_load_scale: cost.prefill_load_scale,
+            new_block_weight: cost.new_block_weight,
             temperature: cost.temperature,
             herd_k: 0,
             max_active_decode_blocks: None,
@@ -258,6 +263,7 @@ impl ServeConfig {
             workers,
             overlap_score_credit,
             prefill_load_scale,
+            new_block_weight,
             temperature,
             herd_k
         );
@@ -293,6 +299,23 @@ impl ServeConfig {
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut cfg = ServeConfig::resolve(&args)?;
+    let cost = CostConfig {
+        overlap_score_credit: cfg.overlap_score_credit,
+        prefill_load_scale: cfg.prefill_load_scale,
+        new_block_weight: cfg.new_block_weight,
+        temperature: cfg.temperature,
+        herd: if cfg.herd_k > 0 {
+            Herd::PowerOfTwo { k: cfg.herd_k }
+        } else {
+            Herd::Off
+        },
+        max_active_decode_blocks: cfg.max_active_decode_blocks,
+        max_active_prefill_tokens: cfg.max_active_prefill_tokens,
+        ..CostConfig::default()
+    };
+    cost.check()
+        .map_err(anyhow::Error::msg)
+        .context("invalid cost weights")?;
     if cfg.durable_kv_events && !cfg.kv_events {
         anyhow::bail!("--durable-kv-events needs --kv-events true");
     }
@@ -372,19 +395,6 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         )
     } else {
         None
-    };
-    let cost = CostConfig {
-        overlap_score_credit: cfg.overlap_score_credit,
-        prefill_load_scale: cfg.prefill_load_scale,
-        temperature: cfg.temperature,
-        herd: if cfg.herd_k > 0 {
-            Herd::PowerOfTwo { k: cfg.herd_k }
-        } else {
-            Herd::Off
-        },
-        max_active_decode_blocks: cfg.max_active_decode_blocks,
-        max_active_prefill_tokens: cfg.max_active_prefill_tokens,
-        ..CostConfig::default()
     };
     let rcfg = RouterConfig {
         listen: cfg.listen,
