@@ -36,9 +36,12 @@ pub struct RecoveryReport {
     pub write_ms: f64,
     /// In process: map, validate and rebuild the index, ms.
     pub restore_ms: f64,
-    /// In process: one shard writer dumping the restored state (the pause in applying
-    /// events that a snapshot costs), ms.
+    /// In process: one shard writer dumping the whole restored state, ms.
     pub dump_ms: f64,
+    /// In process: the longest of the per-worker dumps that the same state takes a worker
+    /// at a time, as a shard core does for a snapshot (its longest pause in applying
+    /// events), ms.
+    pub worker_dump_max_ms: f64,
     /// A fresh `kvrouter serve` process: from spawn to serving with every block, ms.
     pub start_to_serving_ms: f64,
 }
@@ -127,7 +130,17 @@ pub fn run(
         let dumped = idx.dump().len();
         let dump_ms = t.elapsed().as_secs_f64() * 1e3;
         std::hint::black_box(dumped);
-        drop(idx);
+        let (writers, _) = idx.into_parts();
+        let mut worker_dump_max_ms = 0f64;
+        let mut part = Vec::new();
+        for s in writers[0].workers() {
+            part.clear();
+            let t = Instant::now();
+            writers[0].dump_worker(s.worker, &mut part);
+            worker_dump_max_ms = worker_dump_max_ms.max(t.elapsed().as_secs_f64() * 1e3);
+            std::hint::black_box(part.len());
+        }
+        drop(writers);
         // A fresh process.
         let t = Instant::now();
         let mut child = Command::new(kvrouter)
@@ -177,6 +190,7 @@ pub fn run(
             write_ms,
             restore_ms,
             dump_ms,
+            worker_dump_max_ms,
             start_to_serving_ms: serving.as_secs_f64() * 1e3,
         };
         eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);

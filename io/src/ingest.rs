@@ -532,6 +532,7 @@ impl Ingest {
                 summaries: sum,
                 members: Arc::clone(&members),
                 latencies: cfg.record_latency.then(|| Arc::clone(&latencies)),
+                deferred: VecDeque::new(),
             };
             shard.summarize_all();
             let h = builder(&cfg, i + 1, &format!("kvrouter-shard-{i}"))
@@ -620,7 +621,8 @@ impl Ingest {
     }
 
     /// Writes a snapshot now (blocking until it is on disk). Lookups are never blocked; each
-    /// shard core pauses applying events while it dumps its state.
+    /// shard core pauses applying events while it dumps one worker's state, and catches up
+    /// between workers.
     pub fn snapshot_now(&self) -> Result<SnapshotInfo, String> {
         let (tx, rx) = flume::bounded(1);
         self.nats_tx
@@ -784,107 +786,163 @@ struct ShardCore {
     /// See [`IngestView::membership`].
     members: Arc<AtomicU64>,
     latencies: Option<Arc<Mutex<Vec<u64>>>>,
+    /// Commands taken off the channel during a snapshot's dump, to be carried out next.
+    deferred: VecDeque<ShardCmd>,
+}
+
+/// Whether a shard core goes on after a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Go,
+    Stop,
 }
 
 impl ShardCore {
     async fn run(mut self, rx: flume::Receiver<ShardCmd>) {
-        while let Ok(cmd) = rx.recv_async().await {
-            match cmd {
-                ShardCmd::Events {
-                    events,
-                    publisher,
-                    arrived,
-                } => {
-                    for e in events {
-                        self.handle(e, publisher);
-                    }
-                    if let Some(mut v) = self.latencies.as_ref().and_then(|l| l.lock().ok()) {
-                        v.push(arrived.elapsed().as_nanos() as u64);
-                    }
-                }
-                ShardCmd::Announced {
-                    worker_id,
-                    heartbeat_ms,
-                } => {
-                    self.announced.insert(worker_id, heartbeat_ms);
-                    // Load the worker's full state; hold its events until it arrives.
-                    self.recover(worker_id, None, None);
-                }
-                ShardCmd::Recovered { worker_id, result } => self.recovered(worker_id, result),
-                ShardCmd::Heartbeat {
-                    worker_id,
-                    last_event_ids,
-                } => {
-                    // Trailing gap: the worker published events we never received.
-                    if !self.recovering.contains_key(&worker_id) {
-                        for (dp, published) in last_event_ids {
-                            let w = WorkerDp::new(worker_id, dp);
-                            match self.ids.last(w) {
-                                Some(last) if last < published => {
-                                    bump(&self.counters.gaps, 1);
-                                    self.recover(worker_id, Some(dp), Some((last + 1, published)));
-                                    break;
-                                }
-                                None => {
-                                    self.recover(worker_id, None, None);
-                                    break;
-                                }
-                                _ => {}
-                            }
-                        }
-                    }
-                }
-                ShardCmd::Remove { worker_id } => {
-                    self.writer.remove_worker(worker_id);
-                    self.ids.forget_worker(worker_id);
-                    self.recovering.remove(&worker_id);
-                    self.announced.remove(&worker_id);
-                    bump(&self.counters.workers_removed, 1);
-                    if let Ok(mut m) = self.summaries.lock() {
-                        let before = m.len();
-                        m.retain(|w, _| w.worker_id != worker_id);
-                        if m.len() != before {
-                            drop(m);
-                            self.members.fetch_add(1, Ordering::Release);
-                        }
-                    }
-                }
-                ShardCmd::Snapshot { reply } => {
-                    let _ = reply.send(self.snapshot_part());
-                }
-                ShardCmd::Barrier { reply } => {
-                    let _ = reply.send(());
-                }
-                ShardCmd::Stop => return,
+        loop {
+            // Commands a snapshot took off the channel but left for after it come first.
+            let cmd = match self.deferred.pop_front() {
+                Some(cmd) => cmd,
+                None => match rx.recv_async().await {
+                    Ok(cmd) => cmd,
+                    Err(_) => return,
+                },
+            };
+            if self.command(cmd, &rx) == Flow::Stop {
+                return;
             }
         }
     }
 
-    /// This shard's state for a snapshot. Workers waiting for a recovery answer are left
-    /// out: their state is incomplete, and a restarted router that does not know them loads
-    /// them afresh (a dump) at their next announcement.
-    fn snapshot_part(&self) -> ShardPart {
-        let workers = self
-            .writer
-            .workers()
-            .into_iter()
-            .filter(|s| !self.recovering.contains_key(&s.worker.worker_id))
-            .map(|s| {
-                let heartbeat = self.announced.get(&s.worker.worker_id).copied();
-                WorkerRecord {
-                    worker: s.worker,
-                    last_event_id: self.ids.last(s.worker),
-                    publisher: self.ids.publisher(s.worker).unwrap_or(0),
-                    announced: heartbeat.is_some(),
-                    heartbeat_ms: heartbeat.unwrap_or(0),
+    /// Carries out one command; `rx` lets a snapshot apply what arrives while it dumps.
+    fn command(&mut self, cmd: ShardCmd, rx: &flume::Receiver<ShardCmd>) -> Flow {
+        match cmd {
+            ShardCmd::Events {
+                events,
+                publisher,
+                arrived,
+            } => {
+                for e in events {
+                    self.handle(e, publisher);
                 }
-            })
-            .collect();
-        let mut events = self.writer.dump();
-        if !self.recovering.is_empty() {
-            events.retain(|e| !self.recovering.contains_key(&e.worker_id));
+                if let Some(mut v) = self.latencies.as_ref().and_then(|l| l.lock().ok()) {
+                    v.push(arrived.elapsed().as_nanos() as u64);
+                }
+            }
+            ShardCmd::Announced {
+                worker_id,
+                heartbeat_ms,
+            } => {
+                self.announced.insert(worker_id, heartbeat_ms);
+                // Load the worker's full state; hold its events until it arrives.
+                self.recover(worker_id, None, None);
+            }
+            ShardCmd::Recovered { worker_id, result } => self.recovered(worker_id, result),
+            ShardCmd::Heartbeat {
+                worker_id,
+                last_event_ids,
+            } => {
+                // Trailing gap: the worker published events we never received.
+                if !self.recovering.contains_key(&worker_id) {
+                    for (dp, published) in last_event_ids {
+                        let w = WorkerDp::new(worker_id, dp);
+                        match self.ids.last(w) {
+                            Some(last) if last < published => {
+                                bump(&self.counters.gaps, 1);
+                                self.recover(worker_id, Some(dp), Some((last + 1, published)));
+                                break;
+                            }
+                            None => {
+                                self.recover(worker_id, None, None);
+                                break;
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            ShardCmd::Remove { worker_id } => {
+                self.writer.remove_worker(worker_id);
+                self.ids.forget_worker(worker_id);
+                self.recovering.remove(&worker_id);
+                self.announced.remove(&worker_id);
+                bump(&self.counters.workers_removed, 1);
+                if let Ok(mut m) = self.summaries.lock() {
+                    let before = m.len();
+                    m.retain(|w, _| w.worker_id != worker_id);
+                    if m.len() != before {
+                        drop(m);
+                        self.members.fetch_add(1, Ordering::Release);
+                    }
+                }
+            }
+            ShardCmd::Snapshot { reply } => {
+                let part = self.snapshot_part(rx);
+                let _ = reply.send(part);
+            }
+            ShardCmd::Barrier { reply } => {
+                let _ = reply.send(());
+            }
+            ShardCmd::Stop => return Flow::Stop,
         }
-        ShardPart { workers, events }
+        Flow::Go
+    }
+
+    /// This shard's state for a snapshot, dumped a worker at a time: between two workers
+    /// the shard applies the events (and other commands) that arrived meanwhile, so it
+    /// pauses for one worker's dump at a time rather than for the whole shard's. Each
+    /// worker's record (last event id, publisher) is taken with its dump, so every worker
+    /// is consistent in itself; a later worker may include events dispatched after the
+    /// snapshot was asked for, and replaying those after a restore skips them as
+    /// duplicates by their event ids. Workers waiting for a recovery answer are left out:
+    /// their state is incomplete, and a restarted router that does not know them loads
+    /// them afresh (a dump) at their next announcement. A second snapshot or a stop that
+    /// arrives during the dump is carried out after it.
+    fn snapshot_part(&mut self, rx: &flume::Receiver<ShardCmd>) -> ShardPart {
+        let mut part = ShardPart {
+            workers: Vec::new(),
+            events: Vec::new(),
+        };
+        let mut deferred = Vec::new();
+        let mut stop = false;
+        for (i, s) in self.writer.workers().into_iter().enumerate() {
+            if i > 0 {
+                // What arrived while the previous worker was dumped (not what keeps
+                // arriving: a bounded drain, so a busy stream cannot starve the dump).
+                for _ in 0..rx.len() {
+                    match rx.try_recv() {
+                        Ok(cmd @ (ShardCmd::Snapshot { .. } | ShardCmd::Stop)) => {
+                            stop |= matches!(cmd, ShardCmd::Stop);
+                            deferred.push(cmd);
+                        }
+                        Ok(cmd) if !stop => {
+                            let _ = self.command(cmd, rx);
+                        }
+                        Ok(cmd) => deferred.push(cmd),
+                        Err(_) => break,
+                    }
+                }
+            }
+            let w = s.worker;
+            if self.recovering.contains_key(&w.worker_id) {
+                continue;
+            }
+            // Removed since the list was taken: nothing to dump or record.
+            if self.writer.summary(w).is_none() {
+                continue;
+            }
+            let heartbeat = self.announced.get(&w.worker_id).copied();
+            part.workers.push(WorkerRecord {
+                worker: w,
+                last_event_id: self.ids.last(w),
+                publisher: self.ids.publisher(w).unwrap_or(0),
+                announced: heartbeat.is_some(),
+                heartbeat_ms: heartbeat.unwrap_or(0),
+            });
+            self.writer.dump_worker(w, &mut part.events);
+        }
+        self.deferred.extend(deferred);
+        part
     }
 
     /// Publishes the summaries of every worker (after a restore).

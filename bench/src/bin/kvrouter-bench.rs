@@ -246,12 +246,13 @@ fn main() -> anyhow::Result<()> {
             let r = &reports[0];
             println!(
                 "recovery ({} blocks, {} workers, snapshot {:.1} MB, median of {runs}): written in {:.0} ms \
-                 (+ {:.0} ms of shard dump); in-process restore {:.0} ms; process start to serving {:.0} ms ({:.2} s per 1 M blocks)",
+                 (+ {:.0} ms of shard dump, {:.1} ms for its largest worker); in-process restore {:.0} ms; process start to serving {:.0} ms ({:.2} s per 1 M blocks)",
                 r.blocks,
                 r.workers,
                 r.snapshot_bytes as f64 / 1e6,
                 r.write_ms,
                 med(|r| r.dump_ms),
+                med(|r| r.worker_dump_max_ms),
                 med(|r| r.restore_ms),
                 med(|r| r.start_to_serving_ms),
                 med(|r| r.start_to_serving_ms) / 1e3 / (r.blocks as f64 / 1e6),

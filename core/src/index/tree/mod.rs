@@ -157,6 +157,14 @@ impl ShardWriter {
     pub fn dump(&self) -> Vec<RouterEvent> {
         self.dump_in(&crossbeam_epoch::pin())
     }
+
+    /// Appends the events that rebuild one (worker, dp rank)'s state to `events` (a
+    /// `Cleared`, then its blocks, parents first; nothing for a worker this shard does not
+    /// know). [`Self::dump`] is this for every worker in order, so a dump can be taken a
+    /// worker at a time with events applied in between.
+    pub fn dump_worker(&self, worker: WorkerDp, events: &mut Vec<RouterEvent>) {
+        self.dump_worker_in(worker, events, &crossbeam_epoch::pin())
+    }
 }
 
 /// A cheap, cloneable handle for lock-free lookups from any thread.

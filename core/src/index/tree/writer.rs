@@ -1256,14 +1256,31 @@ impl ShardWriter {
             .count()
     }
 
-    /// Events that rebuild this shard's state: per worker a `Cleared`, then one `Stored` per
-    /// node it holds, parents first.
+    /// Events that rebuild this shard's state: per worker (in order) what
+    /// [`Self::dump_worker_in`] gives.
     pub(crate) fn dump_in(&self, guard: &Guard) -> Vec<RouterEvent> {
+        let mut workers: Vec<WorkerDp> = self.slots.iter().flatten().map(|s| s.worker).collect();
+        workers.sort();
         let mut events = Vec::new();
-        let mut order: Vec<&SlotState> = self.slots.iter().flatten().collect();
-        order.sort_by_key(|s| s.worker);
-        for st in order {
-            let slot = self.slot_of[&st.worker];
+        for w in workers {
+            self.dump_worker_in(w, &mut events, guard);
+        }
+        events
+    }
+
+    /// Appends the events that rebuild one (worker, dp rank)'s state to `events`: a
+    /// `Cleared`, then one `Stored` per node it holds, parents first. Nothing for a worker
+    /// this shard does not know.
+    pub(crate) fn dump_worker_in(
+        &self,
+        worker: WorkerDp,
+        events: &mut Vec<RouterEvent>,
+        guard: &Guard,
+    ) {
+        let Some(&slot) = self.slot_of.get(&worker) else {
+            return;
+        };
+        if let Some(st) = self.slots[slot as usize].as_ref() {
             let id = st.last_event_id.unwrap_or(0);
             let w = st.worker;
             events.push(RouterEvent::new(
@@ -1293,7 +1310,6 @@ impl ShardWriter {
                 stack.extend(self.held_children(x, slot, guard));
             }
         }
-        events
     }
 }
 
