@@ -187,8 +187,9 @@ pub struct Scored {
     pub overlap_credit_blocks: f64,
     /// `max(raw - credits, 0)`.
     pub adjusted_prefill_blocks: f64,
-    /// `max(request_tokens / block_size - credits, 0)`: the request's own blocks no cache
-    /// tier covers on this candidate.
+    /// `max(request_tokens / block_size - credits, 0)`: the request's own blocks less the
+    /// cache credits this candidate earns (a host-tier block, credited 0.75, still counts
+    /// 0.25 here).
     pub fresh_prefill_blocks: f64,
     /// The potential decode blocks.
     pub decode_blocks: f64,

@@ -217,6 +217,9 @@ pub struct IngestCounters {
     pub snapshots: AtomicU64,
     /// Snapshots that could not be written (the previous one is kept).
     pub snapshot_failures: AtomicU64,
+    /// Workers left out of a snapshot because their numbering was reset while it was
+    /// taken (a restart during the dump).
+    pub snapshot_skipped_workers: AtomicU64,
     /// Snapshots found at start but unusable (corrupt, truncated, other version).
     pub snapshot_load_failures: AtomicU64,
     /// Blocks restored from a snapshot at start.
@@ -250,6 +253,7 @@ pub struct IngestStats {
     pub nats_reconnects: u64,
     pub snapshots: u64,
     pub snapshot_failures: u64,
+    pub snapshot_skipped_workers: u64,
     pub snapshot_load_failures: u64,
     pub snapshot_restored_blocks: u64,
     pub js_acks: u64,
@@ -278,6 +282,7 @@ impl IngestCounters {
             nats_reconnects: l(&self.nats_reconnects),
             snapshots: l(&self.snapshots),
             snapshot_failures: l(&self.snapshot_failures),
+            snapshot_skipped_workers: l(&self.snapshot_skipped_workers),
             snapshot_load_failures: l(&self.snapshot_load_failures),
             snapshot_restored_blocks: l(&self.snapshot_restored_blocks),
             js_acks: l(&self.js_acks),
@@ -896,8 +901,12 @@ impl ShardCore {
     /// snapshot was asked for, and replaying those after a restore skips them as
     /// duplicates by their event ids. Workers waiting for a recovery answer are left out:
     /// their state is incomplete, and a restarted router that does not know them loads
-    /// them afresh (a dump) at their next announcement. A second snapshot or a stop that
-    /// arrives during the dump is carried out after it.
+    /// them afresh (a dump) at their next announcement. So are workers whose numbering was
+    /// reset during the dump (a restart, or a removal and a new process): the stream past
+    /// the snapshot's position still holds their old process's events, which would not
+    /// replay as duplicates over the new process's record; left out, the replay rebuilds
+    /// them and the new process's first event resets them as it did live. A second
+    /// snapshot or a stop that arrives during the dump is carried out after it.
     fn snapshot_part(&mut self, rx: &flume::Receiver<ShardCmd>) -> ShardPart {
         let mut part = ShardPart {
             workers: Vec::new(),
@@ -905,7 +914,19 @@ impl ShardCore {
         };
         let mut deferred = Vec::new();
         let mut stop = false;
-        for (i, s) in self.writer.workers().into_iter().enumerate() {
+        let listed: Vec<(WorkerDp, Option<u64>, Option<u64>)> = self
+            .writer
+            .workers()
+            .into_iter()
+            .map(|s| {
+                (
+                    s.worker,
+                    self.ids.publisher(s.worker),
+                    self.ids.last(s.worker),
+                )
+            })
+            .collect();
+        for (i, (w, publisher, last)) in listed.into_iter().enumerate() {
             if i > 0 {
                 // What arrived while the previous worker was dumped (not what keeps
                 // arriving: a bounded drain, so a busy stream cannot starve the dump).
@@ -923,12 +944,17 @@ impl ShardCore {
                     }
                 }
             }
-            let w = s.worker;
             if self.recovering.contains_key(&w.worker_id) {
                 continue;
             }
             // Removed since the list was taken: nothing to dump or record.
             if self.writer.summary(w).is_none() {
+                continue;
+            }
+            // Renumbered since: another publisher, or ids gone back (forgotten included).
+            if self.ids.publisher(w) != publisher || self.ids.last(w) < last {
+                bump(&self.counters.snapshot_skipped_workers, 1);
+                tracing::info!(worker = %w, "renumbered during the snapshot: left out of it");
                 continue;
             }
             let heartbeat = self.announced.get(&w.worker_id).copied();
@@ -1740,5 +1766,115 @@ impl NatsCore {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvrouter_core::event::KvCacheEvent;
+    use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
+
+    use super::*;
+
+    fn core() -> ShardCore {
+        let (mut writers, _) = TreeIndex::new(1).into_parts();
+        ShardCore {
+            index: 0,
+            writer: writers.remove(0),
+            ids: EventIds::new(),
+            announced: HashMap::new(),
+            recovering: HashMap::new(),
+            counters: Arc::new(IngestCounters::default()),
+            nats: flume::unbounded().0,
+            summaries: Arc::new(Mutex::new(HashMap::new())),
+            members: Arc::new(AtomicU64::new(0)),
+            latencies: None,
+            deferred: VecDeque::new(),
+        }
+    }
+
+    /// Event `id` of `worker` storing one block named `name`.
+    fn stored(worker: WorkerId, id: u64, name: u64) -> RouterEvent {
+        RouterEvent::new(
+            worker,
+            KvCacheEvent::stored(
+                id,
+                0,
+                None,
+                [(LocalBlockHash(name), SequenceBlockHash(name))],
+            ),
+        )
+    }
+
+    fn events(events: Vec<RouterEvent>, publisher: u64) -> ShardCmd {
+        ShardCmd::Events {
+            events,
+            publisher,
+            arrived: Instant::now(),
+        }
+    }
+
+    fn workers_of(part: &ShardPart) -> Vec<(WorkerId, Option<u64>)> {
+        part.workers
+            .iter()
+            .map(|r| (r.worker.worker_id, r.last_event_id))
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_applies_arrivals_between_workers_and_records_each_with_its_dump() {
+        let mut c = core();
+        for w in [1, 2] {
+            c.handle(stored(w, 0, 10 * w), 100);
+        }
+        let (tx, rx) = flume::unbounded();
+        // Arrives while worker 1 is dumped: applied before worker 2's dump, which holds it.
+        tx.send(events(vec![stored(2, 1, 21)], 100)).unwrap();
+        let part = c.snapshot_part(&rx);
+        assert_eq!(workers_of(&part), vec![(1, Some(0)), (2, Some(1))]);
+        let blocks: usize = part.events.iter().map(|e| e.block_count()).sum();
+        assert_eq!(blocks, 3);
+        assert!(rx.is_empty() && c.deferred.is_empty());
+    }
+
+    #[test]
+    fn a_worker_renumbered_during_the_dump_is_left_out() {
+        let mut c = core();
+        for w in [1, 2] {
+            for id in 0..5 {
+                c.handle(stored(w, id, 10 * w + id), 100);
+            }
+        }
+        let (tx, rx) = flume::unbounded();
+        // Worker 2 restarts (a new publisher numbering from 0) while worker 1 is dumped.
+        tx.send(events(vec![stored(2, 0, 99)], 200)).unwrap();
+        let part = c.snapshot_part(&rx);
+        assert_eq!(workers_of(&part), vec![(1, Some(4))]);
+        assert!(part.events.iter().all(|e| e.worker_id == 1));
+        assert_eq!(
+            c.counters.snapshot_skipped_workers.load(Ordering::Relaxed),
+            1
+        );
+        assert_eq!(c.counters.restarts.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_stop_during_the_dump_waits_with_everything_after_it() {
+        let mut c = core();
+        for w in [1, 2] {
+            c.handle(stored(w, 0, 10 * w), 100);
+        }
+        let (tx, rx) = flume::unbounded();
+        tx.send(ShardCmd::Stop).unwrap();
+        tx.send(events(vec![stored(2, 1, 21)], 100)).unwrap();
+        let part = c.snapshot_part(&rx);
+        // The event after the stop was not applied: worker 2 is dumped as it was.
+        assert_eq!(workers_of(&part), vec![(1, Some(0)), (2, Some(0))]);
+        assert_eq!(c.deferred.len(), 2);
+        assert!(matches!(c.deferred.pop_front(), Some(ShardCmd::Stop)));
+        assert!(matches!(
+            c.deferred.pop_front(),
+            Some(ShardCmd::Events { .. })
+        ));
     }
 }
