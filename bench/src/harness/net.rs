@@ -291,25 +291,22 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    {
-        // Dynamo runs Dynamo 1.6.1's weights; ours the run's.
-        let dynamo = CostConfig::dynamo();
-        let c = if policy == Policy::Dynamo {
-            &dynamo
-        } else {
-            &cfg.sim.cost
-        };
-        a.extend([
-            "--overlap-score-credit".to_owned(),
-            c.overlap_score_credit.to_string(),
-            "--prefill-load-scale".to_owned(),
-            c.prefill_load_scale.to_string(),
-            "--new-block-weight".to_owned(),
-            c.new_block_weight.to_string(),
-            "--temperature".to_owned(),
-            c.temperature.to_string(),
-        ]);
-    }
+    // Dynamo runs Dynamo 1.6.1's weights; ours the run's.
+    let c = if policy == Policy::Dynamo {
+        CostConfig::dynamo()
+    } else {
+        cfg.sim.cost
+    };
+    a.extend([
+        "--overlap-score-credit".to_owned(),
+        c.overlap_score_credit.to_string(),
+        "--prefill-load-scale".to_owned(),
+        c.prefill_load_scale.to_string(),
+        "--new-block-weight".to_owned(),
+        c.new_block_weight.to_string(),
+        "--temperature".to_owned(),
+        c.temperature.to_string(),
+    ]);
     match policy {
         Policy::KvAwareP2c => a.extend(["--herd-k".to_owned(), "3".to_owned()]),
         Policy::Approximate => a.extend(["--kv-events".to_owned(), "false".to_owned()]),

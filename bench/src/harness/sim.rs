@@ -507,11 +507,7 @@ mod tests {
         );
         assert!(ours.prefix_hit_ratio > 0.85 * ideals.capacity, "{ideals:?}");
         assert!(ours.ttft_ms.mean < dynamo.ttft_ms.mean);
-        let share = |r: &PolicyReport| {
-            let n = &r.requests_per_worker;
-            *n.iter().max().unwrap() as f64 / (*n.iter().min().unwrap()).max(1) as f64
-        };
-        assert!(share(&ours) <= 2.0, "{:?}", ours.requests_per_worker);
+        assert!(ours.share_ratio() <= 2.0, "{:?}", ours.requests_per_worker);
     }
 
     #[test]
