@@ -912,8 +912,8 @@ impl ShardCore {
             workers: Vec::new(),
             events: Vec::new(),
         };
-        let mut deferred = Vec::new();
-        let mut stop = false;
+        // Once a stop is taken (or was already waiting), everything after it waits too.
+        let mut stop = self.deferred.iter().any(|c| matches!(c, ShardCmd::Stop));
         let listed: Vec<(WorkerDp, Option<u64>, Option<u64>)> = self
             .writer
             .workers()
@@ -934,12 +934,12 @@ impl ShardCore {
                     match rx.try_recv() {
                         Ok(cmd @ (ShardCmd::Snapshot { .. } | ShardCmd::Stop)) => {
                             stop |= matches!(cmd, ShardCmd::Stop);
-                            deferred.push(cmd);
+                            self.deferred.push_back(cmd);
                         }
                         Ok(cmd) if !stop => {
                             let _ = self.command(cmd, rx);
                         }
-                        Ok(cmd) => deferred.push(cmd),
+                        Ok(cmd) => self.deferred.push_back(cmd),
                         Err(_) => break,
                     }
                 }
@@ -967,7 +967,6 @@ impl ShardCore {
             });
             self.writer.dump_worker(w, &mut part.events);
         }
-        self.deferred.extend(deferred);
         part
     }
 
