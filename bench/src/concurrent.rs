@@ -77,8 +77,10 @@ pub struct ConcurrentReport {
     pub lookup_p999_ns: u64,
 }
 
-/// Runs `readers` lookup threads over `queries` while `write` runs on the calling thread;
-/// `write` returns the time it took to apply every event.
+/// Runs `readers` lookup threads over the log's queries while `write` runs on the calling
+/// thread; `write` returns the time it took to apply every event. `lookup` gets each
+/// query's index among the log's queries with the query, so that an index whose API takes
+/// another type can look up a copy converted before the run (no conversion is timed).
 pub fn measure<L>(
     index: &str,
     writers: usize,
@@ -89,7 +91,7 @@ pub fn measure<L>(
     write: impl FnOnce(&Barrier) -> Duration,
 ) -> ConcurrentReport
 where
-    L: Fn(&[LocalBlockHash], &mut OverlapScores) -> u32 + Sync,
+    L: Fn(usize, &[LocalBlockHash], &mut OverlapScores) -> u32 + Sync,
 {
     let queries: Vec<&[LocalBlockHash]> = log.queries().collect();
     let done = AtomicBool::new(false);
@@ -104,9 +106,10 @@ where
                     let mut i = r * 997;
                     barrier.wait();
                     while !done.load(Ordering::Acquire) && !queries.is_empty() {
-                        let q = queries[i % queries.len()];
+                        let k = i % queries.len();
+                        let q = queries[k];
                         let t = Instant::now();
-                        std::hint::black_box(lookup(q, &mut out));
+                        std::hint::black_box(lookup(k, q, &mut out));
                         lat.push(t.elapsed().as_nanos() as u64);
                         i += 1;
                     }
@@ -164,7 +167,7 @@ pub fn run_tree(
         readers,
         log,
         &events,
-        |q, out| {
+        |_, q, out| {
             reader.find_matches_into(q, out);
             out.max_score()
         },
