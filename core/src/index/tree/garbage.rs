@@ -16,7 +16,7 @@
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 
-use crossbeam_epoch::{Guard, Shared};
+use crossbeam_epoch::{Guard, Pointer, Shared};
 
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
@@ -27,8 +27,10 @@ use super::raw::partial::Partials;
 #[derive(Debug)]
 pub(crate) enum Retired {
     Node(*const Node),
-    Edge(*const Edge),
-    Children(*const ChildTable),
+    /// An edge, as crossbeam's `Pointer::into_usize` gives it (edges are unsized).
+    Edge(usize),
+    /// A child table, as `Pointer::into_usize` gives it (tables are unsized too).
+    Children(usize),
     Partials(*const Partials),
 }
 
@@ -48,8 +50,8 @@ impl Drop for Garbage {
             unsafe {
                 match r {
                     Retired::Node(p) => drop(Shared::from(p).into_owned()),
-                    Retired::Edge(p) => drop(Shared::from(p).into_owned()),
-                    Retired::Children(p) => drop(Shared::from(p).into_owned()),
+                    Retired::Edge(p) => drop(Shared::<Edge>::from_usize(p).into_owned()),
+                    Retired::Children(p) => drop(Shared::<ChildTable>::from_usize(p).into_owned()),
                     Retired::Partials(p) => drop(Shared::from(p).into_owned()),
                 }
             }

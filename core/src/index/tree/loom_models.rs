@@ -32,7 +32,7 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 #[test]
 fn loom_models_edge_append_then_trim() {
     model(|| {
-        let edge = Arc::new(Edge::new([1u64].into_iter(), 3));
+        let edge = Arc::new(Edge::with_blocks(&[1u64], 3));
         let w = Arc::clone(&edge);
         let writer = thread::spawn(move || {
             // SAFETY: index 1 and 2 are at or above every published length (1).
@@ -60,7 +60,7 @@ fn loom_models_child_link_unlink_rebuild() {
         let parent = Arc::new(Node::new(0, 0, &[7], 1));
         parent
             .children
-            .store(Owned::new(ChildTable::with_capacity(2)), Ordering::Release);
+            .store(ChildTable::with_capacity(2), Ordering::Release);
         let p = Arc::clone(&parent);
         let writer = thread::spawn(move || {
             let g = crossbeam_epoch::pin();
@@ -70,11 +70,9 @@ fn loom_models_child_link_unlink_rebuild() {
             t.insert(child, &g);
             t.remove(1, 42, &g);
             // Rebuild: publish an empty table and retire the old one, then the child.
-            let old = p.children.swap(
-                Owned::new(ChildTable::with_capacity(2)),
-                Ordering::AcqRel,
-                &g,
-            );
+            let old = p
+                .children
+                .swap(ChildTable::with_capacity(2), Ordering::AcqRel, &g);
             // SAFETY: both are unreachable from the parent now.
             unsafe {
                 g.defer_destroy(old);

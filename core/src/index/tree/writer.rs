@@ -23,7 +23,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
+use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
 use smallvec::SmallVec;
 
 use super::blockmap::{BlockMap, CLAIMED, PENDING, name_hash};
@@ -1006,11 +1006,11 @@ impl ShardWriter {
                 .map(|i| unsafe { edge.deref().get(i as usize) })
                 .collect();
             node.edge.store(
-                Owned::new(Edge::new(blocks.into_iter(), new_len as usize)),
+                Edge::with_blocks(&blocks, new_len as usize),
                 Ordering::Release,
             );
             // Replaced above: freed after current readers unpin.
-            self.garbage.retire(Retired::Edge(edge.as_raw()));
+            self.garbage.retire(Retired::Edge(edge.into_usize()));
             let m = &mut self.nodes[x as usize];
             m.cap = new_len;
             m.hwm = new_len;
@@ -1036,12 +1036,10 @@ impl ShardWriter {
             // SAFETY: cells below `len <= hwm` are read-only.
             let old = (0..len).map(|i| unsafe { edge.deref().get(i) });
             let blocks: Vec<u64> = old.chain(locals.iter().copied()).collect();
-            node.edge.store(
-                Owned::new(Edge::new(blocks.into_iter(), cap)),
-                Ordering::Release,
-            );
+            node.edge
+                .store(Edge::with_blocks(&blocks, cap), Ordering::Release);
             // Replaced above: freed after current readers unpin.
-            self.garbage.retire(Retired::Edge(edge.as_raw()));
+            self.garbage.retire(Retired::Edge(edge.into_usize()));
             self.nodes[x as usize].cap = cap as u32;
         }
         let m = &mut self.nodes[x as usize];
@@ -1123,10 +1121,10 @@ impl ShardWriter {
                 table.insert(c, guard);
             }
         }
-        node.children.store(Owned::new(table), Ordering::Release);
+        node.children.store(table, Ordering::Release);
         if !old.is_null() {
             // Replaced above: freed after current readers unpin.
-            self.garbage.retire(Retired::Children(old.as_raw()));
+            self.garbage.retire(Retired::Children(old.into_usize()));
         }
         let m = &mut self.nodes[x as usize];
         m.child_cap = cap;

@@ -10,21 +10,42 @@
 //!   with `Acquire`, then read the child's immutable key. Because the key is read from the
 //!   child itself, a slot that is reused for another child while a reader probes cannot make
 //!   the reader accept the wrong child.
+//! * Each slot also keeps its child's key hash, written (`Relaxed`) before the pointer's
+//!   `Release` store, so a probe dereferences only the child whose hash matches instead of
+//!   every child it passes (each a cache miss). The hash is a filter, never the answer: a
+//!   reader that loaded a pointer sees that child's hash or a later child's; with a later
+//!   one it passes over a child that was removed by then (a miss that a lookup one moment
+//!   later would see too), and a match is still confirmed against the child itself.
 //! * The table never grows in place: the writer builds a new table, publishes it in the
 //!   node with `Release`, and retires the old one; readers of the old table see the children
 //!   as they were.
 
-use crossbeam_epoch::{Atomic, Guard, Shared};
+use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 
 use super::node::Node;
-use crate::sync::Ordering;
+use super::tail::{Blank, Tail};
+use crate::sync::{AtomicU64, Ordering};
 
 const TOMB: usize = 1;
 
-/// See the [module docs](self).
+/// See the [module docs](self): the slots in one allocation ([`Tail`]), so a reader that
+/// has loaded a node's table pointer reaches them without a second dependent load.
+pub(crate) type ChildTable = Tail<(), Slot>;
+
+/// One slot: the child's key hash (a probe filter) and the child, null, or a tombstone.
 #[derive(Debug)]
-pub(crate) struct ChildTable {
-    slots: Box<[Atomic<Node>]>,
+pub(crate) struct Slot {
+    key: AtomicU64,
+    child: Atomic<Node>,
+}
+
+impl Blank for Slot {
+    fn blank() -> Self {
+        Slot {
+            key: AtomicU64::new(0),
+            child: Atomic::null(),
+        }
+    }
 }
 
 #[inline]
@@ -32,40 +53,38 @@ fn hash(attach: u32, local: u64) -> u64 {
     (local ^ ((attach as u64) << 40 | attach as u64)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-impl ChildTable {
+impl Tail<(), Slot> {
     /// An empty table with `cap` slots (a power of two).
-    pub(crate) fn with_capacity(cap: usize) -> Self {
+    pub(crate) fn with_capacity(cap: usize) -> Owned<Self> {
         debug_assert!(cap.is_power_of_two());
-        Self {
-            slots: (0..cap).map(|_| Atomic::null()).collect(),
-        }
-    }
-
-    pub(crate) fn cap(&self) -> usize {
-        self.slots.len()
+        Self::owned((), cap)
     }
 
     #[inline]
-    fn start(&self, attach: u32, local: u64) -> usize {
-        (hash(attach, local) >> 32) as usize & (self.slots.len() - 1)
+    fn start(&self, key: u64) -> usize {
+        (key >> 32) as usize & (self.items.len() - 1)
     }
 
     /// The child hanging at `attach` whose first block is `local`.
     #[inline]
     pub(crate) fn get<'g>(&self, attach: u32, local: u64, guard: &'g Guard) -> Option<&'g Node> {
-        let mask = self.slots.len() - 1;
-        let mut i = self.start(attach, local);
-        for _ in 0..self.slots.len() {
-            let p = self.slots[i].load(Ordering::Acquire, guard);
-            // SAFETY: non-null slot pointers are published children, freed only through the
-            // epoch collector after being unlinked, so they outlive `guard`.
-            match unsafe { p.as_ref() } {
-                Some(child) if child.attach == attach && child.first == local => {
+        let mask = self.items.len() - 1;
+        let key = hash(attach, local);
+        let mut i = self.start(key);
+        for _ in 0..self.items.len() {
+            let slot = &self.items[i];
+            let p = slot.child.load(Ordering::Acquire, guard);
+            if p.is_null() {
+                if p.tag() != TOMB {
+                    return None;
+                }
+            } else if slot.key.load(Ordering::Relaxed) == key {
+                // SAFETY: non-null slot pointers are published children, freed only through
+                // the epoch collector after being unlinked, so they outlive `guard`.
+                let child = unsafe { p.deref() };
+                if child.attach == attach && child.first == local {
                     return Some(child);
                 }
-                Some(_) => {}
-                None if p.tag() == TOMB => {}
-                None => return None,
             }
             i = (i + 1) & mask;
         }
@@ -78,12 +97,16 @@ impl ChildTable {
     pub(crate) fn insert(&self, child: Shared<'_, Node>, guard: &Guard) -> bool {
         // SAFETY: the caller passes a live child.
         let c = unsafe { child.deref() };
-        let mask = self.slots.len() - 1;
-        let mut i = self.start(c.attach, c.first);
+        let mask = self.items.len() - 1;
+        let key = hash(c.attach, c.first);
+        let mut i = self.start(key);
         loop {
-            let p = self.slots[i].load(Ordering::Relaxed, guard);
+            let slot = &self.items[i];
+            let p = slot.child.load(Ordering::Relaxed, guard);
             if p.is_null() {
-                self.slots[i].store(child, Ordering::Release);
+                // The hash first: a reader that loads the pointer sees it (module docs).
+                slot.key.store(key, Ordering::Relaxed);
+                slot.child.store(child, Ordering::Release);
                 return p.tag() == TOMB;
             }
             i = (i + 1) & mask;
@@ -93,14 +116,17 @@ impl ChildTable {
     /// Replaces the child with `key` by a tombstone. Writer only. Returns whether it was
     /// present.
     pub(crate) fn remove(&self, attach: u32, local: u64, guard: &Guard) -> bool {
-        let mask = self.slots.len() - 1;
-        let mut i = self.start(attach, local);
-        for _ in 0..self.slots.len() {
-            let p = self.slots[i].load(Ordering::Relaxed, guard);
+        let mask = self.items.len() - 1;
+        let key = hash(attach, local);
+        let mut i = self.start(key);
+        for _ in 0..self.items.len() {
+            let slot = &self.items[i];
+            let p = slot.child.load(Ordering::Relaxed, guard);
             // SAFETY: as in `get`.
             match unsafe { p.as_ref() } {
                 Some(c) if c.attach == attach && c.first == local => {
-                    self.slots[i].store(Shared::null().with_tag(TOMB), Ordering::Release);
+                    slot.child
+                        .store(Shared::null().with_tag(TOMB), Ordering::Release);
                     return true;
                 }
                 Some(_) => {}
@@ -117,9 +143,9 @@ impl ChildTable {
         &'a self,
         guard: &'g Guard,
     ) -> impl Iterator<Item = Shared<'g, Node>> + use<'a, 'g> {
-        self.slots
+        self.items
             .iter()
-            .map(move |s| s.load(Ordering::Acquire, guard))
+            .map(move |s| s.child.load(Ordering::Acquire, guard))
             .filter(|p| !p.is_null())
     }
 }

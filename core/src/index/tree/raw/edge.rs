@@ -1,48 +1,47 @@
 //! Edge buffers: the local hashes along one node's compressed path.
 //!
 //! Invariants and what readers see:
-//! * `len` is the number of blocks readers may read; `data[..len]` is initialised.
-//! * The writer writes `data[i]` only for `i >= hwm`, where `hwm` (writer-side) is the
+//! * `len` is the number of blocks readers may read; `cells[..len]` is initialised.
+//! * The writer writes `cells[i]` only for `i >= hwm`, where `hwm` (writer-side) is the
 //!   largest `len` ever published for this buffer, and only before publishing a `len > i`
-//!   with `Release`. A reader loads `len` with `Acquire` and reads `data[..len]`: those cells
+//!   with `Release`. A reader loads `len` with `Acquire` and reads `cells[..len]`: those cells
 //!   are never written again, so reading them is race-free even after the writer lowers
 //!   `len` (a trim) — a reader with the older, longer `len` reads blocks that were held a
 //!   moment ago. After a trim the writer never appends in place (`hwm > len`); it copies the
 //!   live prefix into a new buffer instead and retires this one through the epoch collector.
 
+use crossbeam_epoch::Owned;
+
+use super::tail::{Blank, Tail};
 use crate::sync::{AtomicU32, Cell, Ordering};
 
-/// See the [module docs](self).
-#[derive(Debug)]
-pub(crate) struct Edge {
-    len: AtomicU32,
-    data: Box<[Cell<u64>]>,
+/// See the [module docs](self): the published length, then the cells, in one allocation
+/// ([`Tail`]), so a reader that has loaded a node's edge pointer reaches the hashes without
+/// a second dependent load.
+pub(crate) type Edge = Tail<AtomicU32, Cell<u64>>;
+
+impl Blank for Cell<u64> {
+    fn blank() -> Self {
+        Cell::new(0)
+    }
 }
 
-impl Edge {
+impl Tail<AtomicU32, Cell<u64>> {
     /// A buffer of capacity `cap` holding `blocks` (published length `blocks.len()`).
-    pub(crate) fn new(blocks: impl ExactSizeIterator<Item = u64>, cap: usize) -> Self {
-        let n = blocks.len();
-        debug_assert!(n <= cap && n <= u32::MAX as usize);
-        let data: Box<[Cell<u64>]> = blocks
-            .chain(std::iter::repeat_n(0, cap - n))
-            .map(Cell::new)
-            .collect();
-        Self {
-            len: AtomicU32::new(n as u32),
-            data,
+    pub(crate) fn with_blocks(blocks: &[u64], cap: usize) -> Owned<Self> {
+        assert!(blocks.len() <= cap && cap <= u32::MAX as usize);
+        let e = Self::owned(AtomicU32::new(blocks.len() as u32), cap);
+        for (c, &b) in e.items.iter().zip(blocks) {
+            // SAFETY: the buffer is not shared yet: nothing else reads or writes it.
+            unsafe { c.write(b) };
         }
-    }
-
-    /// Capacity in blocks.
-    pub(crate) fn cap(&self) -> usize {
-        self.data.len()
+        e
     }
 
     /// The published length. `Acquire`: pairs with the `Release` in [`Self::publish_len`].
     #[inline]
     pub(crate) fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire) as usize
+        self.head.load(Ordering::Acquire) as usize
     }
 
     /// Block `i`.
@@ -53,10 +52,10 @@ impl Edge {
     #[inline]
     pub(crate) unsafe fn get(&self, i: usize) -> u64 {
         // SAFETY: cells below a published length are never written again (module docs).
-        unsafe { self.data[i].read() }
+        unsafe { self.items[i].read() }
     }
 
-    /// Length of the common prefix of `data[..len]` and `query`.
+    /// Length of the common prefix of `cells[..len]` and `query`.
     ///
     /// # Safety
     /// As for [`Self::get`], for every index below `len`.
@@ -67,14 +66,14 @@ impl Edge {
         {
             // SAFETY: `Cell<u64>` is `repr(transparent)` over `UnsafeCell<u64>`, which has
             // the layout of `u64`; cells `..n` are never written while we read (caller).
-            let edge = unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast::<u64>(), n) };
+            let edge = unsafe { std::slice::from_raw_parts(self.items.as_ptr().cast::<u64>(), n) };
             common_prefix(edge, &query[..n])
         }
         #[cfg(loom)]
         {
             // SAFETY: as above, one cell at a time.
             (0..n)
-                .take_while(|&i| unsafe { self.data[i].read() } == query[i])
+                .take_while(|&i| unsafe { self.items[i].read() } == query[i])
                 .count()
         }
     }
@@ -87,15 +86,15 @@ impl Edge {
     #[inline]
     pub(crate) unsafe fn write(&self, i: usize, v: u64) {
         // SAFETY: readers only read below a published length, which `i` is not (caller).
-        unsafe { self.data[i].write(v) }
+        unsafe { self.items[i].write(v) }
     }
 
-    /// Publishes a new length. `Release`: the writes of `data[..len]` happen before a reader's
+    /// Publishes a new length. `Release`: the writes of `cells[..len]` happen before a reader's
     /// `Acquire` load that sees it.
     #[inline]
     pub(crate) fn publish_len(&self, len: usize) {
         debug_assert!(len <= self.cap());
-        self.len.store(len as u32, Ordering::Release);
+        self.head.store(len as u32, Ordering::Release);
     }
 }
 
@@ -126,7 +125,7 @@ mod tests {
 
     #[test]
     fn prefix_append_trim() {
-        let e = Edge::new([1u64, 2, 3].into_iter(), 6);
+        let e = Edge::with_blocks(&[1u64, 2, 3], 6);
         assert_eq!(e.len(), 3);
         // SAFETY: single-threaded test; indices below the published length or hwm.
         unsafe {

@@ -8,3 +8,4 @@ pub(crate) mod children;
 pub(crate) mod edge;
 pub(crate) mod node;
 pub(crate) mod partial;
+pub(crate) mod tail;

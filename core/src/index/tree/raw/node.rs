@@ -48,7 +48,7 @@ impl Node {
             attach,
             first: blocks.first().copied().unwrap_or(0),
             id,
-            edge: Atomic::new(Edge::new(blocks.iter().copied(), cap)),
+            edge: Atomic::from(Edge::with_blocks(blocks, cap)),
             full: AtomicBits::new(),
             any: AtomicBits::new(),
             partial: Atomic::null(),
@@ -63,13 +63,13 @@ impl Node {
         // collector after being replaced, so they outlive `guard`.
         unsafe {
             if let Some(e) = self.edge.load(Ordering::Acquire, guard).as_ref() {
-                n += std::mem::size_of::<Edge>() + 16 + e.cap() * 8;
+                n += Edge::bytes(e.cap()) + 16;
             }
             if let Some(p) = self.partial.load(Ordering::Acquire, guard).as_ref() {
                 n += 32 + p.cap() * 8;
             }
             if let Some(c) = self.children.load(Ordering::Acquire, guard).as_ref() {
-                n += 32 + c.cap() * 8;
+                n += ChildTable::bytes(c.cap()) + 16;
             }
         }
         n + self.full.heap_bytes(guard) + self.any.heap_bytes(guard)
