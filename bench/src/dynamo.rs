@@ -126,7 +126,7 @@ pub fn concurrent_thread_pool(
     let events: Vec<dy::RouterEvent> = ours.iter().map(convert).collect();
     let pool = thread_pool(threads);
     let backend = pool.backend_arc();
-    // Converted before the run, so the readers time the lookup alone, as ours do.
+    // Converted before the run, as ours are copied before it (concurrent::measure).
     let queries: Vec<Vec<dy::LocalBlockHash>> = log
         .queries()
         .map(|q| q.iter().map(|l| dy::LocalBlockHash(l.0)).collect())
@@ -135,9 +135,9 @@ pub fn concurrent_thread_pool(
         "dynamo-crtc",
         threads,
         readers,
-        log,
+        &queries,
         &ours,
-        |k, _, _out: &mut OverlapScores| best(&backend.find_matches(&queries[k], false)),
+        |q: &[dy::LocalBlockHash], _out: &mut OverlapScores| best(&backend.find_matches(q, false)),
         |barrier: &Barrier| -> Duration {
             barrier.wait();
             let t0 = Instant::now();
