@@ -107,6 +107,56 @@ fn loom_models_child_link_unlink_rebuild() {
     });
 }
 
+/// A tombstoned slot reused for another child: the slot's key hash is a filter written
+/// before the pointer, so a reader that loaded the old child may see the new child's hash
+/// (and then passes it over: a miss), but never takes one child for another's key.
+#[test]
+fn loom_models_child_slot_reuse_keeps_keys_apart() {
+    model(|| {
+        let parent = Arc::new(Node::new(0, 0, &[7], 1));
+        // One slot: the second child must reuse the first one's.
+        parent
+            .children
+            .store(ChildTable::with_capacity(1), Ordering::Release);
+        let p = Arc::clone(&parent);
+        let writer = thread::spawn(move || {
+            let g = crossbeam_epoch::pin();
+            // SAFETY: the parent's table is live; only this thread writes it.
+            let t = unsafe { p.children.load(Ordering::Acquire, &g).deref() };
+            let a = Owned::new(Node::new(1, 1, &[42], 1)).into_shared(&g);
+            t.insert(a, &g);
+            t.remove(1, 42, &g);
+            // SAFETY: unlinked above; freed after the reader unpins.
+            unsafe { g.defer_destroy(a) };
+            let b = Owned::new(Node::new(1, 2, &[50], 1)).into_shared(&g);
+            assert!(t.insert(b, &g), "the only slot was a tombstone");
+        });
+        {
+            let g = crossbeam_epoch::pin();
+            // SAFETY: tables are freed only through the collector.
+            let t = unsafe { parent.children.load(Ordering::Acquire, &g).deref() };
+            if let Some(c) = t.get(1, 42, &g) {
+                assert_eq!((c.id, c.first), (1, 42));
+            }
+            if let Some(c) = t.get(1, 50, &g) {
+                assert_eq!((c.id, c.first), (2, 50));
+            }
+        }
+        writer.join().unwrap();
+        // SAFETY: no other thread remains; `b` is the one child still linked.
+        unsafe {
+            let g = crossbeam_epoch::unprotected();
+            let t = parent
+                .children
+                .swap(crossbeam_epoch::Shared::null(), Ordering::Relaxed, g);
+            for c in t.deref().children(g) {
+                drop(c.into_owned());
+            }
+            drop(t.into_owned());
+        }
+    });
+}
+
 /// A writer of one shard and a reader of it.
 fn writer_and_reader() -> (ShardWriter, TreeReader) {
     let w = ShardWriter::new();
