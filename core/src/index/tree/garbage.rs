@@ -45,7 +45,8 @@ unsafe impl Send for Garbage {}
 impl Drop for Garbage {
     fn drop(&mut self) {
         for r in self.0.drain(..) {
-            // SAFETY: every pointer came from `Owned::new` (crossbeam's box), was unlinked
+            // SAFETY: every pointer came from `Owned::new` or `Owned::init` (crossbeam's owned
+            // pointers; `init` for the unsized edges and tables, raw::tail), was unlinked
             // before being retired, is retired once, and its grace period has passed.
             unsafe {
                 match r {

@@ -109,15 +109,23 @@ fn loom_models_child_link_unlink_rebuild() {
 
 /// A tombstoned slot reused for another child: the slot's key hash is a filter written
 /// before the pointer, so a reader that loaded the old child may see the new child's hash
-/// (and then passes it over: a miss), but never takes one child for another's key.
+/// (and then passes it over: a miss), but never takes one child for another's key, and
+/// never misses a child linked for the whole lookup.
 #[test]
 fn loom_models_child_slot_reuse_keeps_keys_apart() {
     model(|| {
         let parent = Arc::new(Node::new(0, 0, &[7], 1));
-        // One slot: the second child must reuse the first one's.
+        // Two slots, one held throughout by `stays`: the second child must reuse the
+        // first one's.
         parent
             .children
-            .store(ChildTable::with_capacity(1), Ordering::Release);
+            .store(ChildTable::with_capacity(2), Ordering::Release);
+        {
+            let g = crossbeam_epoch::pin();
+            let stays = Owned::new(Node::new(1, 3, &[60], 1)).into_shared(&g);
+            // SAFETY: the table is live and not shared yet.
+            unsafe { parent.children.load(Ordering::Acquire, &g).deref() }.insert(stays, &g);
+        }
         let p = Arc::clone(&parent);
         let writer = thread::spawn(move || {
             let g = crossbeam_epoch::pin();
@@ -129,7 +137,7 @@ fn loom_models_child_slot_reuse_keeps_keys_apart() {
             // SAFETY: unlinked above; freed after the reader unpins.
             unsafe { g.defer_destroy(a) };
             let b = Owned::new(Node::new(1, 2, &[50], 1)).into_shared(&g);
-            assert!(t.insert(b, &g), "the only slot was a tombstone");
+            assert!(t.insert(b, &g), "the only free slot was a tombstone");
         });
         {
             let g = crossbeam_epoch::pin();
@@ -141,9 +149,13 @@ fn loom_models_child_slot_reuse_keeps_keys_apart() {
             if let Some(c) = t.get(1, 50, &g) {
                 assert_eq!((c.id, c.first), (2, 50));
             }
+            let c = t
+                .get(1, 60, &g)
+                .expect("a child linked throughout is found");
+            assert_eq!((c.id, c.first), (3, 60));
         }
         writer.join().unwrap();
-        // SAFETY: no other thread remains; `b` is the one child still linked.
+        // SAFETY: no other thread remains; `stays` and `b` are the children still linked.
         unsafe {
             let g = crossbeam_epoch::unprotected();
             let t = parent

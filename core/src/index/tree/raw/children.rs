@@ -56,7 +56,11 @@ fn hash(attach: u32, local: u64) -> u64 {
 impl Tail<(), Slot> {
     /// An empty table with `cap` slots (a power of two).
     pub(crate) fn with_capacity(cap: usize) -> Owned<Self> {
-        debug_assert!(cap.is_power_of_two());
+        // A release check too: a wrong mask would index past the slots or probe forever.
+        assert!(
+            cap.is_power_of_two(),
+            "child table capacity {cap} is not a power of two"
+        );
         Self::owned((), cap)
     }
 

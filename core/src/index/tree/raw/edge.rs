@@ -1,6 +1,7 @@
 //! Edge buffers: the local hashes along one node's compressed path.
 //!
-//! Invariants and what readers see:
+//! Invariants and what readers see (`len` is the tail's `head`, the published length;
+//! `cells` are its `items`, [`Tail`]):
 //! * `len` is the number of blocks readers may read; `cells[..len]` is initialised.
 //! * The writer writes `cells[i]` only for `i >= hwm`, where `hwm` (writer-side) is the
 //!   largest `len` ever published for this buffer, and only before publishing a `len > i`

@@ -80,7 +80,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         // SAFETY: `&mut self`: the node is unreachable (retired and past its grace period, or
         // never shared), so nobody else can load these pointers; each was created by
-        // `Owned::new` and is dropped once here.
+        // `Owned::new` or `Owned::init` (raw::tail) and is dropped once here.
         unsafe {
             let g = crossbeam_epoch::unprotected();
             for p in [self.edge.load(Ordering::Relaxed, g)] {

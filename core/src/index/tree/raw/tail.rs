@@ -4,8 +4,8 @@
 //! Edge buffers and child tables are read on every level of every lookup. Kept as a header
 //! pointing at a separate array (`Box<[T]>`), each costs two dependent loads: the header,
 //! then the array. As a [`Tail`] the items follow the header in the same allocation, so a
-//! reader that has the pointer reaches them in one (the first items share the header's
-//! cache line).
+//! reader that has the pointer reaches them in one (the first items usually share the
+//! header's cache line: the allocation is only word-aligned).
 //!
 //! A `Tail` is unsized (its last field is a slice); crossbeam keeps it behind a thin
 //! pointer through the [`Pointable`] hooks below, which store the capacity first in the
@@ -27,8 +27,9 @@ pub(crate) trait Blank {
 #[repr(C)]
 pub(crate) struct Tail<H, T> {
     cap: usize,
-    pub(crate) head: H,
-    pub(crate) items: [T],
+    // Private to `raw`: edge.rs and children.rs reach them only through their protocols.
+    pub(super) head: H,
+    pub(super) items: [T],
 }
 
 /// The layout of a tail of `cap` items, and the byte offsets of `head` and `items` (as
