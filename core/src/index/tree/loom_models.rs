@@ -27,6 +27,15 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     b.check(f);
 }
 
+/// A node with an empty child table of `cap` slots.
+fn parent_with_table(cap: usize) -> Arc<Node> {
+    let parent = Arc::new(Node::new(0, 0, &[7], 1));
+    parent
+        .children
+        .store(ChildTable::with_capacity(cap), Ordering::Release);
+    parent
+}
+
 /// Appended cells are published by the length: a reader sees a prefix of what the writer
 /// wrote, never an unwritten cell, and a trim never exposes a rewritten cell.
 #[test]
@@ -57,10 +66,7 @@ fn loom_models_edge_append_then_trim() {
 #[test]
 fn loom_models_child_link_unlink_rebuild() {
     model(|| {
-        let parent = Arc::new(Node::new(0, 0, &[7], 1));
-        parent
-            .children
-            .store(ChildTable::with_capacity(2), Ordering::Release);
+        let parent = parent_with_table(2);
         let p = Arc::clone(&parent);
         let writer = thread::spawn(move || {
             let g = crossbeam_epoch::pin();
@@ -114,12 +120,9 @@ fn loom_models_child_link_unlink_rebuild() {
 #[test]
 fn loom_models_child_slot_reuse_keeps_keys_apart() {
     model(|| {
-        let parent = Arc::new(Node::new(0, 0, &[7], 1));
         // Two slots, one held throughout by `stays`: the second child must reuse the
         // first one's.
-        parent
-            .children
-            .store(ChildTable::with_capacity(2), Ordering::Release);
+        let parent = parent_with_table(2);
         {
             let g = crossbeam_epoch::pin();
             let stays = Owned::new(Node::new(1, 3, &[60], 1)).into_shared(&g);
