@@ -33,7 +33,7 @@ use super::raw::edge::Edge;
 use super::raw::node::Node;
 use super::raw::partial::Partials;
 use crate::event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
-use crate::hash::{LocalBlockHash, MixBuildHasher, SequenceBlockHash};
+use crate::hash::{LocalBlockHash, SequenceBlockHash};
 use crate::index::{ApplyError, ApplyOutcome, WorkerSummary};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::worker::{WorkerDp, WorkerId};
@@ -1285,27 +1285,54 @@ impl ShardWriter {
                 w.worker_id,
                 KvCacheEvent::cleared(id, w.dp_rank),
             ));
-            // Location -> name, sized up front and hashed with the fixed mixer (SipHash and
-            // growth were a third of the dump's time at 4 M blocks).
-            let mut names: HashMap<u64, u64, MixBuildHasher> =
-                HashMap::with_capacity_and_hasher(st.blocks.len(), MixBuildHasher::default());
-            names.extend(st.blocks.iter().map(|(k, v)| (v, k)));
+            // The nodes the worker holds, parents first, and where each one's names start
+            // in one array: a name's place is its node's start plus its position, so the
+            // worker's map is read once, in table order, and every name is written straight
+            // to its place (a location -> name hash map missed the cache on every insert
+            // and every lookup, and a worker of millions of blocks paused its shard for
+            // hundreds of ms).
+            let mut order: Vec<NodeId> = Vec::new();
+            let mut start: Vec<usize> = vec![usize::MAX; self.nodes.len()];
+            let mut total = 0usize;
             let mut stack: Vec<NodeId> = self.held_children(ROOT, slot, guard);
             while let Some(x) = stack.pop() {
+                start[x as usize] = total;
+                total += self.nodes[x as usize].cutoff(slot) as usize;
+                order.push(x);
+                stack.extend(self.held_children(x, slot, guard));
+            }
+            let mut names = vec![0u64; total];
+            let mut placed = 0usize;
+            for (name, loc) in st.blocks.iter() {
+                let (x, p) = unpack(loc);
+                let Some(&s) = start.get(x as usize) else {
+                    continue;
+                };
+                if s != usize::MAX && p < self.nodes[x as usize].cutoff(slot) {
+                    names[s + p as usize] = name;
+                    placed += 1;
+                }
+            }
+            // Every held block has exactly one name in the map (the map's invariant).
+            debug_assert_eq!(placed, total);
+            for &x in &order {
                 let m = &self.nodes[x as usize];
-                let parent = (m.parent != ROOT)
-                    .then(|| SequenceBlockHash(names[&pack(m.parent, m.attach - 1)]));
+                let base = start[x as usize];
+                // A held node's parent is held up to the node's attach point (prefix
+                // closure), so its name there was placed above.
+                let parent = (m.parent != ROOT).then(|| {
+                    SequenceBlockHash(names[start[m.parent as usize] + m.attach as usize - 1])
+                });
                 let blocks = (0..m.cutoff(slot)).map(|p| {
                     (
                         LocalBlockHash(self.local_at(x, p, guard)),
-                        SequenceBlockHash(names[&pack(x, p)]),
+                        SequenceBlockHash(names[base + p as usize]),
                     )
                 });
                 events.push(RouterEvent::new(
                     w.worker_id,
                     KvCacheEvent::stored(id, w.dp_rank, parent, blocks),
                 ));
-                stack.extend(self.held_children(x, slot, guard));
             }
         }
     }
