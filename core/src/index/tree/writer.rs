@@ -1313,8 +1313,14 @@ impl ShardWriter {
                     placed += 1;
                 }
             }
-            // Every held block has exactly one name in the map (the map's invariant).
-            debug_assert_eq!(placed, total);
+            // Every held block has exactly one name in the map (the map's invariant, which
+            // no input can break): checked in release too, so that a broken invariant stops
+            // the dump, as the hash map's lookup did, instead of writing a snapshot with
+            // names missing.
+            assert_eq!(
+                placed, total,
+                "a held block without a name in {worker:?}'s map"
+            );
             for &x in &order {
                 let m = &self.nodes[x as usize];
                 let base = start[x as usize];
