@@ -72,11 +72,20 @@ impl Tail<(), Slot> {
     /// The child hanging at `attach` whose first block is `local`.
     #[inline]
     pub(crate) fn get<'g>(&self, attach: u32, local: u64, guard: &'g Guard) -> Option<&'g Node> {
+        self.find(attach, local, guard).map(|(_, child)| child)
+    }
+
+    /// The probe of [`Self::get`] and [`Self::remove`]: the slot holding the child with this
+    /// key, and the child.
+    #[inline]
+    fn find<'g>(&self, attach: u32, local: u64, guard: &'g Guard) -> Option<(&Slot, &'g Node)> {
         let mask = self.items.len() - 1;
         let key = hash(attach, local);
         let mut i = self.start(key);
         for _ in 0..self.items.len() {
             let slot = &self.items[i];
+            // `Acquire`: pairs with the `Release` store of the pointer in `insert`, so the
+            // child's fields and the slot's hash written before it are visible.
             let p = slot.child.load(Ordering::Acquire, guard);
             if p.is_null() {
                 if p.tag() != TOMB {
@@ -87,7 +96,7 @@ impl Tail<(), Slot> {
                 // the epoch collector after being unlinked, so they outlive `guard`.
                 let child = unsafe { p.deref() };
                 if child.attach == attach && child.first == local {
-                    return Some(child);
+                    return Some((slot, child));
                 }
             }
             i = (i + 1) & mask;
@@ -120,26 +129,15 @@ impl Tail<(), Slot> {
     /// Replaces the child with `key` by a tombstone. Writer only. Returns whether it was
     /// present.
     pub(crate) fn remove(&self, attach: u32, local: u64, guard: &Guard) -> bool {
-        let mask = self.items.len() - 1;
-        let key = hash(attach, local);
-        let mut i = self.start(key);
-        for _ in 0..self.items.len() {
-            let slot = &self.items[i];
-            let p = slot.child.load(Ordering::Relaxed, guard);
-            // SAFETY: as in `get`.
-            match unsafe { p.as_ref() } {
-                Some(c) if c.attach == attach && c.first == local => {
-                    slot.child
-                        .store(Shared::null().with_tag(TOMB), Ordering::Release);
-                    return true;
-                }
-                Some(_) => {}
-                None if p.tag() == TOMB => {}
-                None => return false,
+        match self.find(attach, local, guard) {
+            Some((slot, _)) => {
+                // `Release`, as every pointer store that `find`'s `Acquire` load may see.
+                slot.child
+                    .store(Shared::null().with_tag(TOMB), Ordering::Release);
+                true
             }
-            i = (i + 1) & mask;
+            None => false,
         }
-        false
     }
 
     /// The live children.
