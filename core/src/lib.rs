@@ -29,6 +29,7 @@ pub mod event;
 pub mod hash;
 pub mod index;
 pub mod policy;
+pub mod prefetch;
 pub mod recovery;
 pub mod replay;
 pub mod slots;

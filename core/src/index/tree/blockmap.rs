@@ -31,6 +31,8 @@
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
 
+use crate::prefetch::prefetch_line;
+
 /// The value of a name reserved by [`BlockMap::claim_h`] until its caller sets it (no block
 /// sits at node `u32::MAX`); it has [`CLAIMED`] set.
 pub(crate) const PENDING: u64 = u64::MAX;
@@ -39,20 +41,6 @@ pub(crate) const PENDING: u64 = u64::MAX;
 /// No stored value has it: node ids stay below 2^31 (a tree of 2^31 nodes would need
 /// hundreds of GiB).
 pub(crate) const CLAIMED: u64 = 1 << 63;
-
-/// Asks the cache for the line at `addr`, if the target can.
-#[inline(always)]
-fn prefetch_line(addr: usize) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint: it never faults and reads nothing into the program, so
-    // any address, even one outside every allocation, is fine.
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>(addr as *const i8);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = addr;
-}
 
 /// Bytes of one entry.
 const ENTRY: usize = std::mem::size_of::<(u64, u64)>();
