@@ -102,6 +102,8 @@ proptest! {
     fn tree_equals_reference_many_workers_and_shards(ops_ in proptest::collection::vec(op(ops::WORKERS), 1..200)) {
         sequential(&ops_, 1)?;
         sequential(&ops_, 3)?;
+        // More shards than a merged slot order serves (4): the per-shard path.
+        sequential(&ops_, 5)?;
     }
 }
 
@@ -265,7 +267,9 @@ proptest! {
     #[test]
     fn concurrent_answers_stay_within_the_consistency_window(ops_ in proptest::collection::vec(op(6), 20..160)) {
         concurrent(ops_.clone(), 1, 2)?;
-        concurrent(ops_, 2, 1)?;
+        // Two readers over two shards: both may find the merged slot order stale and race
+        // to replace it.
+        concurrent(ops_, 2, 2)?;
     }
 }
 
@@ -294,6 +298,39 @@ fn many_workers_exceed_one_bitset_word() {
         got.iter().filter(|&(_, s)| s == 4).count(),
         ops::WORKERS as usize / 4
     );
+}
+
+/// Workers arriving one by one across two shards: every answer matches the reference while
+/// each shard's slot order changes (the cached merged order goes stale at every arrival),
+/// and after a shard passes 64 slots (lookups then take the per-shard path).
+#[test]
+fn arriving_workers_keep_answers_sorted_across_shards() {
+    let mut tree = TreeIndex::new(2);
+    let mut reference = ReferenceIndex::new();
+    let q = ops::locals(&[1, 2, 3]);
+    // Arrival order is not worker order, so each new worker lands between others.
+    for i in 0..ops::WORKERS {
+        let w = (i as u32 * 37 % ops::WORKERS as u32) as u8;
+        for dp in 0..2 {
+            let op = Op::Store {
+                worker: w,
+                dp,
+                path: vec![1, 2, 3][..1 + (w as usize + dp as usize) % 3].to_vec(),
+                from: 0,
+                naming: Naming::Chain,
+            };
+            assert_eq!(
+                ops::run(&mut tree, &op, 0),
+                ops::run(&mut reference, &op, 0)
+            );
+            assert_eq!(
+                tree.find_matches(&q),
+                reference.find_matches(&q),
+                "after {w}/{dp}"
+            );
+        }
+    }
+    assert_eq!(tree.find_matches(&q).len(), 2 * ops::WORKERS as usize);
 }
 
 /// A chain rejected after its names were looked up (one of them names an ancestor of its

@@ -177,6 +177,7 @@ fn writer_and_reader() -> (ShardWriter, TreeReader) {
     let w = ShardWriter::new();
     let reader = TreeReader {
         shards: vec![std::sync::Arc::clone(w.shared())].into(),
+        merged: Default::default(),
     };
     (w, reader)
 }
@@ -222,8 +223,8 @@ fn loom_models_store_evict_lookup() {
     });
 }
 
-/// Slot assignment: the slot table entry and the slot order are published before the
-/// worker's first bit, so a reader attributes every score to the right worker and emits
+/// Slot assignment: the slot order (which carries the slot's worker) is published before
+/// the worker's first bit, so a reader attributes every score to the right worker and emits
 /// the answer sorted by worker, while a second worker (sorting before the first) arrives.
 #[test]
 fn loom_models_slot_order_publication() {
@@ -251,5 +252,79 @@ fn loom_models_slot_order_publication() {
             .collect();
         assert_eq!(workers, [3, 9]);
         drop(w);
+    });
+}
+
+/// Two shards, whose lookups emit through the merged slot order: one shard's writer adds a
+/// worker (a new slot order) while a reader looks up twice, each lookup finding the cached
+/// merged order current or stale (and then replacing it, the old one retired). Every answer
+/// is sorted by worker, scores only workers that held the block, and always has the other
+/// shard's worker; a merged order in use is never freed under its reader.
+#[test]
+fn loom_models_merged_order_replacement() {
+    model(|| {
+        let (mut a, mut b) = (ShardWriter::new(), ShardWriter::new());
+        b.apply_event(&stored(5, 0, &[(1, 11)])).unwrap();
+        let reader = TreeReader {
+            shards: vec![
+                std::sync::Arc::clone(a.shared()),
+                std::sync::Arc::clone(b.shared()),
+            ]
+            .into(),
+            merged: Default::default(),
+        };
+        let writer = thread::spawn(move || {
+            a.apply_event(&stored(3, 0, &[(1, 11)])).unwrap();
+            a
+        });
+        for _ in 0..2 {
+            let got = reader.find_matches(&[LocalBlockHash(1)]);
+            let workers: Vec<u64> = got.iter().map(|(w, _)| w.worker_id).collect();
+            assert!(matches!(workers.as_slice(), [5] | [3, 5]), "{workers:?}");
+            assert!(got.iter().all(|(_, s)| s == 1));
+        }
+        let a = writer.join().unwrap();
+        let workers: Vec<u64> = reader
+            .find_matches(&[LocalBlockHash(1)])
+            .iter()
+            .map(|(w, _)| w.worker_id)
+            .collect();
+        assert_eq!(workers, [3, 5]);
+        drop((a, b));
+    });
+}
+
+/// Two lookups that both find the merged order stale race to replace it: one wins the
+/// compare-and-swap, the other retires its own; each uses the one it built, and neither is
+/// freed while its lookup is pinned.
+#[test]
+fn loom_models_merged_order_race() {
+    use super::reader::MergedCache;
+    use super::writer::SlotOrder;
+    use crate::worker::WorkerDp;
+    model(|| {
+        let orders: Arc<[SlotOrder; 2]> = Arc::new([
+            SlotOrder {
+                generation: 1,
+                slots: vec![(0, WorkerDp::new(7, 0))].into(),
+            },
+            SlotOrder {
+                generation: 4,
+                slots: vec![(0, WorkerDp::new(2, 0))].into(),
+            },
+        ]);
+        let cache = Arc::new(MergedCache::default());
+        let run = |cache: &MergedCache, orders: &[SlotOrder; 2]| {
+            let g = crossbeam_epoch::pin();
+            let m = cache.get(&[&orders[0], &orders[1]], &g);
+            assert_eq!(
+                m.entries_for_test(),
+                [(64, WorkerDp::new(2, 0)), (0, WorkerDp::new(7, 0))]
+            );
+        };
+        let (c, o) = (Arc::clone(&cache), Arc::clone(&orders));
+        let t = thread::spawn(move || run(&c, &o));
+        run(&cache, &orders);
+        t.join().unwrap();
     });
 }

@@ -171,6 +171,7 @@ impl ShardWriter {
 #[derive(Debug, Clone)]
 pub struct TreeReader {
     shards: Arc<[Arc<ShardShared>]>,
+    merged: Arc<reader::MergedCache>,
 }
 
 impl TreeReader {
@@ -179,13 +180,7 @@ impl TreeReader {
         out.clear();
         let q = local_hashes_as_u64(query);
         let guard = crossbeam_epoch::pin();
-        for shard in self.shards.iter() {
-            // Each shard appends its scores sorted by worker; worker sets of shards are
-            // disjoint, so merging the runs gives the sorted answer.
-            let start = out.len();
-            reader::find_in_shard(shard, q, out, &guard);
-            out.merge_run(start);
-        }
+        reader::find_in_shards(&self.shards, &self.merged, q, out, &guard);
     }
 
     /// The scores of `query`.
@@ -217,6 +212,7 @@ impl TreeIndex {
         let writers: Vec<ShardWriter> = (0..shards.max(1)).map(|_| ShardWriter::new()).collect();
         let reader = TreeReader {
             shards: writers.iter().map(|w| Arc::clone(w.shared())).collect(),
+            merged: Arc::default(),
         };
         Self { writers, reader }
     }

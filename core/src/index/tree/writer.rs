@@ -35,7 +35,7 @@ use super::raw::partial::Partials;
 use crate::event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
 use crate::hash::{LocalBlockHash, SequenceBlockHash};
 use crate::index::{ApplyError, ApplyOutcome, WorkerSummary};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, Ordering};
 use crate::worker::{WorkerDp, WorkerId};
 
 pub(crate) type NodeId = u32;
@@ -124,65 +124,43 @@ impl Meta {
     }
 }
 
-/// Slot -> worker, readable by readers. Grows by copy; retired tables are freed by the
-/// collector.
-#[derive(Debug)]
-pub(crate) struct SlotTable {
-    workers: Box<[AtomicU64]>,
-    ranks: Box<[AtomicU32]>,
-}
-
-impl SlotTable {
-    fn with_capacity(cap: usize) -> Self {
-        Self {
-            workers: (0..cap).map(|_| AtomicU64::new(0)).collect(),
-            ranks: (0..cap).map(|_| AtomicU32::new(0)).collect(),
-        }
-    }
-
-    /// The worker in `slot`.
-    #[inline]
-    pub(crate) fn get(&self, slot: u32) -> WorkerDp {
-        let s = slot as usize;
-        WorkerDp::new(
-            self.workers[s].load(Ordering::Relaxed),
-            self.ranks[s].load(Ordering::Relaxed),
-        )
-    }
-
-    pub(crate) fn cap(&self) -> usize {
-        self.workers.len()
-    }
-}
-
 /// Every slot ever assigned, sorted by the worker in it, so that a reader emits scores in
 /// worker order without sorting. Replaced (copy on write) whenever a slot gets a worker,
 /// *before* that worker's bit is set in the root's `any`: a reader that loads the root's
 /// `any` and then the order (both `Acquire`) finds every slot it can score in the order.
 /// A slot whose worker was removed keeps its place until it is reused; it has no bits, so
 /// it is never emitted.
+///
+/// Each entry carries its worker, so an order is a self-contained immutable snapshot: a
+/// reader emits workers from it without the slot table, and readers over several shards
+/// merge the shards' orders once per generation ([`super::reader::MergedOrder`]) instead of
+/// merging every answer.
 #[derive(Debug, Default)]
-pub(crate) struct SlotOrder(pub(crate) Box<[u32]>);
+pub(crate) struct SlotOrder {
+    /// Counts this shard's orders, from 0: two orders of one shard with the same
+    /// generation are the same order.
+    pub(crate) generation: u64,
+    /// `(slot, its worker)`, sorted by worker.
+    pub(crate) slots: Box<[(u32, WorkerDp)]>,
+}
 
 /// The part of a shard that readers see.
 #[derive(Debug)]
 pub(crate) struct ShardShared {
     pub(crate) root: Node,
-    pub(crate) slots: Atomic<SlotTable>,
+    /// A multiple of 64 above every slot that has a worker, so that a reader knows how
+    /// many bitset words to keep. Only grows; raised (`Release`) before the slot's order
+    /// and bits are published, so a reader that loads it (`Acquire`) before the root's
+    /// `any` has room for every slot it finds there, or leaves out slots added later.
+    pub(crate) slot_cap: AtomicU32,
     pub(crate) order: Atomic<SlotOrder>,
 }
 
 impl Drop for ShardShared {
     fn drop(&mut self) {
-        // SAFETY: `&mut self`: no reader or writer remains; the table was created by
+        // SAFETY: `&mut self`: no reader or writer remains; the order was created by
         // `Owned::new` and is freed once.
         unsafe {
-            let t = self
-                .slots
-                .load(Ordering::Relaxed, crossbeam_epoch::unprotected());
-            if !t.is_null() {
-                drop(t.into_owned());
-            }
             let o = self
                 .order
                 .load(Ordering::Relaxed, crossbeam_epoch::unprotected());
@@ -239,7 +217,7 @@ impl ShardWriter {
     pub(crate) fn new() -> Self {
         let shared = Arc::new(ShardShared {
             root: Node::new(0, ROOT, &[], 0),
-            slots: Atomic::new(SlotTable::with_capacity(64)),
+            slot_cap: AtomicU32::new(64),
             order: Atomic::new(SlotOrder::default()),
         });
         let mut root = Meta::vacant();
@@ -292,40 +270,30 @@ impl ShardWriter {
         if slot as usize == self.slots.len() {
             self.slots.push(None);
         }
-        let table = self.shared.slots.load(Ordering::Acquire, guard);
-        // SAFETY: the slot table is replaced only here, by this writer.
-        let cur = unsafe { table.deref() };
-        if slot as usize >= cur.cap() {
-            let grown = SlotTable::with_capacity(cur.cap() * 2);
-            for i in 0..cur.cap() {
-                grown.workers[i].store(cur.workers[i].load(Ordering::Relaxed), Ordering::Relaxed);
-                grown.ranks[i].store(cur.ranks[i].load(Ordering::Relaxed), Ordering::Relaxed);
-            }
+        if slot >= self.shared.slot_cap.load(Ordering::Relaxed) {
             self.shared
-                .slots
-                .store(Owned::new(grown), Ordering::Release);
-            // SAFETY: unreachable from `shared` now; freed after current readers unpin.
-            unsafe { guard.defer_destroy(table) };
+                .slot_cap
+                .store((slot / 64 + 1) * 64, Ordering::Release);
         }
-        // SAFETY: as above; loaded again after a possible replacement.
-        let t = unsafe { self.shared.slots.load(Ordering::Acquire, guard).deref() };
-        t.workers[slot as usize].store(worker.worker_id, Ordering::Relaxed);
-        t.ranks[slot as usize].store(worker.dp_rank, Ordering::Relaxed);
         // The new order: this slot moved to its worker's place (a reused slot leaves its old
         // one). Published before the bit below, as `SlotOrder` requires.
         let old = self.shared.order.load(Ordering::Acquire, guard);
         // SAFETY: the order is replaced only here, by this writer, and freed through the
         // collector.
-        let mut order: Vec<u32> = unsafe { old.deref() }
-            .0
+        let old_order = unsafe { old.deref() };
+        let mut order: Vec<(u32, WorkerDp)> = old_order
+            .slots
             .iter()
             .copied()
-            .filter(|&s| s != slot)
+            .filter(|&(s, _)| s != slot)
             .collect();
-        let at = order.partition_point(|&s| t.get(s) < worker);
-        order.insert(at, slot);
+        let at = order.partition_point(|&(_, w)| w < worker);
+        order.insert(at, (slot, worker));
         self.shared.order.store(
-            Owned::new(SlotOrder(order.into_boxed_slice())),
+            Owned::new(SlotOrder {
+                generation: old_order.generation + 1,
+                slots: order.into_boxed_slice(),
+            }),
             Ordering::Release,
         );
         // SAFETY: unreachable from `shared` now; freed after current readers unpin.

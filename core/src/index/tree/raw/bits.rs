@@ -104,6 +104,13 @@ impl AtomicBits {
             .is_some_and(|x| x.load(Ordering::Acquire) & bit != 0)
     }
 
+    /// The first word (slots `0..64`), `Acquire`: all of the set for a shard whose slot
+    /// table has at most 64 slots.
+    #[inline]
+    pub(crate) fn first_word(&self) -> u64 {
+        self.first.load(Ordering::Acquire)
+    }
+
     /// `acc &= self`, word by word (words past the end of `self` are zero).
     #[inline]
     pub(crate) fn and_into(&self, acc: &mut [u64], guard: &Guard) {
