@@ -9,8 +9,9 @@
 //! worker is applied by that core, so per-worker order needs no lock and the writer never
 //! contends with another writer (no CAS loops, no lock on shared nodes). Readers
 //! ([`TreeReader`]) walk every shard's tree and merge the scores; worker sets of shards are
-//! disjoint, and each shard emits its scores in worker order (a slot order the writer
-//! publishes), so merging is one linear pass, with no sort.
+//! disjoint, and each shard's writer publishes its slots in worker order, so the answer
+//! comes out sorted with no sort: over up to four shards through the shards' orders merged
+//! once per change (cached in the reader), otherwise one linear merge per shard.
 //!
 //! The alternative — one tree shared by all writer cores, with atomic worker bitsets per
 //! node — saves the per-shard walks (one walk instead of S) and shares prefixes across

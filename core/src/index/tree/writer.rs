@@ -132,7 +132,7 @@ impl Meta {
 /// it is never emitted.
 ///
 /// Each entry carries its worker, so an order is a self-contained immutable snapshot: a
-/// reader emits workers from it without the slot table, and readers over several shards
+/// reader emits workers from it with no other table, and readers over several shards
 /// merge the shards' orders once per generation ([`super::reader::MergedOrder`]) instead of
 /// merging every answer.
 #[derive(Debug, Default)]

@@ -5,7 +5,7 @@
 //! * Only the owning shard's writer calls [`AtomicBits::set`] / [`AtomicBits::clear`].
 //! * A word is changed by one atomic RMW with `Release`; readers load words with `Acquire`,
 //!   so a reader that sees a bit also sees everything the writer did before setting it (the
-//!   slot table entry, the coverage it stands for).
+//!   slot's order entry, the coverage it stands for).
 //! * The overflow array only grows: to grow, the writer copies the words into a longer
 //!   array, publishes it with `Release` and retires the old one through the epoch
 //!   collector. A reader holding the old array sees the words as they were when it was
