@@ -328,3 +328,27 @@ fn loom_models_merged_order_race() {
         t.join().unwrap();
     });
 }
+
+/// A partial holder promoted to `full` while a reader walks the node: the writer sets the
+/// `full` bit, then frees the partial entry, so a reader that loaded `full` before the set
+/// and the list after the free finds the worker in neither, and must look in `full` again.
+/// Worker 4 holds block 1 of the node throughout, so it scores 1 in every answer.
+#[test]
+fn loom_models_partial_holder_promoted_to_full() {
+    model(|| {
+        let (mut w, reader) = writer_and_reader();
+        w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
+        w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
+        let t = thread::spawn(move || {
+            // Worker 9 drops block 2: the edge is trimmed to one block and worker 4, which
+            // holds all of it now, moves from the partial list to `full`.
+            let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
+            w.apply_event(&evict).unwrap();
+            w
+        });
+        let got = reader.find_matches(&[LocalBlockHash(1)]);
+        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        assert_eq!(scores, [(4, 1), (9, 1)]);
+        drop(t.join().unwrap());
+    });
+}

@@ -57,6 +57,10 @@ trait SlotSet: Clone {
     /// Whether `slot` is in; a slot past the set's words is not.
     fn contains(&self, slot: u32) -> bool;
     fn insert(&mut self, slot: u32);
+    /// Takes `slot` out; a slot past the set's words is not in it anyway.
+    fn remove(&mut self, slot: u32);
+    /// `self |= other` (same length).
+    fn add_all(&mut self, other: &Self);
     fn for_each(&self, f: impl FnMut(u32));
 }
 
@@ -90,6 +94,16 @@ impl SlotSet for u64 {
         *self |= 1 << slot;
     }
     #[inline(always)]
+    fn remove(&mut self, slot: u32) {
+        if slot < 64 {
+            *self &= !(1 << slot);
+        }
+    }
+    #[inline(always)]
+    fn add_all(&mut self, other: &Self) {
+        *self |= *other;
+    }
+    #[inline(always)]
     fn for_each(&self, f: impl FnMut(u32)) {
         for_each_set(std::slice::from_ref(self), f);
     }
@@ -119,6 +133,16 @@ impl SlotSet for Words {
     }
     fn insert(&mut self, slot: u32) {
         self[(slot / 64) as usize] |= 1 << (slot % 64);
+    }
+    fn remove(&mut self, slot: u32) {
+        if let Some(w) = self.get_mut((slot / 64) as usize) {
+            *w &= !(1 << (slot % 64));
+        }
+    }
+    fn add_all(&mut self, other: &Self) {
+        for (a, o) in self.iter_mut().zip(other.iter()) {
+            *a |= o;
+        }
     }
     fn for_each(&self, f: impl FnMut(u32)) {
         for_each_set(self, f);
@@ -388,6 +412,21 @@ fn walk<S: SlotSet>(
             if cutoff as usize >= m && active.contains(slot) {
                 reach.insert(slot);
             }
+        }
+        // A worker promoted from the partial list to `full` (the writer sets its `full`
+        // bit, then frees its partial entry) is in neither if this walk loaded `full`
+        // before the set and the list after the free. The free it missed the entry by was
+        // published after the set, so a second load of `full` has the bit: active workers
+        // found in neither are looked up there again (rare; the common case is one
+        // comparison).
+        let mut lost = active.clone();
+        lost.remove_all(&reach);
+        for &(slot, _) in &partials {
+            lost.remove(slot);
+        }
+        if !lost.is_empty() {
+            lost.and_bits(&node.full, guard);
+            reach.add_all(&lost);
         }
         // The child that continues the query, and who holds it.
         let child: Option<&Node> = if m < rest.len() {
