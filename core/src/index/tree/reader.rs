@@ -165,19 +165,30 @@ pub(crate) fn find_in_shard(
     let cap = slot_cap(shard);
     if cap <= 64 {
         let active = shard.root.any.first_word();
-        let order = load_order(shard, guard);
-        let mut scores = [0u32; 64];
-        walk(shard, query, active, &mut scores, guard);
-        emit(order, &scores, out);
+        walk_and_emit(shard, query, active, &mut [0; 64], out, guard);
     } else {
         let nwords = cap.div_ceil(64);
         let mut active: Words = zeros(nwords);
         shard.root.any.or_into(&mut active, guard);
-        let order = load_order(shard, guard);
-        let mut scores = vec![0; nwords * 64];
-        walk(shard, query, active, &mut scores, guard);
-        emit(order, &scores, out);
+        walk_and_emit(shard, query, active, &mut vec![0; nwords * 64], out, guard);
     }
+}
+
+/// Walks `shard` from `active` (its root's `any`, loaded just before) into `scores` (zero,
+/// one per slot) and appends the positive ones to `out` in worker order.
+#[inline]
+fn walk_and_emit<S: SlotSet>(
+    shard: &ShardShared,
+    query: &[u64],
+    active: S,
+    scores: &mut [u32],
+    out: &mut OverlapScores,
+    guard: &Guard,
+) {
+    // After the root's `any`, as `load_order` requires.
+    let order = load_order(shard, guard);
+    walk(shard, query, active, scores, guard);
+    emit(order, scores, out);
 }
 
 /// Lookups over up to this many shards emit through a [`MergedOrder`].
@@ -331,7 +342,8 @@ impl MergedCache {
         guard: &'g Guard,
     ) -> &'g MergedOrder {
         let new = Owned::new(MergedOrder::build(orders)).into_shared(guard);
-        // `AcqRel`: the new order is published (`Release`) for the lookups that load it.
+        // `AcqRel`: the new order is published (`Release`, pairing with the `Acquire` load
+        // in `get`) for the lookups that load it.
         let lost =
             match self
                 .0
@@ -417,8 +429,8 @@ fn walk<S: SlotSet>(
         // bit, then frees its partial entry) is in neither if this walk loaded `full`
         // before the set and the list after the free. The free it missed the entry by was
         // published after the set, so a second load of `full` has the bit: active workers
-        // found in neither are looked up there again (rare; the common case is one
-        // comparison).
+        // found in neither are looked up there again (rare: usually none is lost, and the
+        // check is a few word operations).
         let mut lost = active.clone();
         lost.remove_all(&reach);
         for &(slot, _) in &partials {

@@ -270,6 +270,9 @@ impl ShardWriter {
         if slot as usize == self.slots.len() {
             self.slots.push(None);
         }
+        // Raised before the order and the bit below; `Release` pairs with the reader's
+        // `Acquire` load in `reader::slot_cap` (see `ShardShared::slot_cap`). The writer's
+        // own load needs no ordering.
         if slot >= self.shared.slot_cap.load(Ordering::Relaxed) {
             self.shared
                 .slot_cap

@@ -105,7 +105,7 @@ impl AtomicBits {
     }
 
     /// The first word (slots `0..64`), `Acquire`: all of the set for a shard whose slot
-    /// table has at most 64 slots.
+    /// capacity is at most 64.
     #[inline]
     pub(crate) fn first_word(&self) -> u64 {
         self.first.load(Ordering::Acquire)
