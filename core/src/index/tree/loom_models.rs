@@ -352,3 +352,30 @@ fn loom_models_partial_holder_promoted_to_full() {
         drop(t.join().unwrap());
     });
 }
+
+/// A trim that promotes a partial holder, seen by a reader whose query runs past the new
+/// length: worker 9 holds blocks [1, 2] of the node, worker 4 holds [1]; worker 9 drops block
+/// 2, so the edge is trimmed to one block and worker 4 (now holding all of it) moves to
+/// `full`. A reader that loaded the edge's length before the trim and `full` after the
+/// promotion would credit worker 4 with block 2, which it never held: every answer must
+/// score worker 4 exactly 1, and worker 9 one of the 2 or 1 blocks it held.
+#[test]
+fn loom_models_trim_then_promote_past_the_query() {
+    model(|| {
+        let (mut w, reader) = writer_and_reader();
+        w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
+        w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
+        let t = thread::spawn(move || {
+            let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
+            w.apply_event(&evict).unwrap();
+            w
+        });
+        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2)]);
+        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        assert!(
+            matches!(scores.as_slice(), [(4, 1), (9, 1 | 2)]),
+            "{scores:?}"
+        );
+        drop(t.join().unwrap());
+    });
+}

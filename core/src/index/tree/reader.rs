@@ -403,43 +403,13 @@ fn walk<S: SlotSet>(
         if active.is_empty() {
             return;
         }
-        let edge_ptr = node.edge.load(Ordering::Acquire, guard);
-        // SAFETY: edge buffers are freed through the collector after being replaced.
-        let edge = unsafe { edge_ptr.deref() };
-        let len = edge.len();
         let rest = &query[depth..];
-        // SAFETY: indices below a length loaded from this buffer are read-only (raw::edge).
-        let m = unsafe { edge.common_prefix(len, rest) };
-
-        // Workers holding the node up to the divergence point `m`.
-        reach.copy_from(&active);
-        reach.and_bits(&node.full, guard);
-        partials.clear();
-        let pl = node.partial.load(Ordering::Acquire, guard);
-        // SAFETY: partial lists are freed through the collector after being replaced.
-        if let Some(p) = unsafe { pl.as_ref() } {
-            p.for_each(|slot, cutoff| partials.push((slot, cutoff)));
-        }
-        for &(slot, cutoff) in &partials {
-            if cutoff as usize >= m && active.contains(slot) {
-                reach.insert(slot);
+        // The node step, retried while the edge changes under it (see `node_step`).
+        let m = loop {
+            if let Some(m) = node_step(node, rest, &active, &mut reach, &mut partials, guard) {
+                break m;
             }
-        }
-        // A worker promoted from the partial list to `full` (the writer sets its `full`
-        // bit, then frees its partial entry) is in neither if this walk loaded `full`
-        // before the set and the list after the free. The free it missed the entry by was
-        // published after the set, so a second load of `full` has the bit: active workers
-        // found in neither are looked up there again (rare: usually none is lost, and the
-        // check is a few word operations).
-        let mut lost = active.clone();
-        lost.remove_all(&reach);
-        for &(slot, _) in &partials {
-            lost.remove(slot);
-        }
-        if !lost.is_empty() {
-            lost.and_bits(&node.full, guard);
-            reach.add_all(&lost);
-        }
+        };
         // The child that continues the query, and who holds it.
         let child: Option<&Node> = if m < rest.len() {
             let t = node.children.load(Ordering::Acquire, guard);
@@ -476,4 +446,72 @@ fn walk<S: SlotSet>(
         depth += m;
         node = c;
     }
+}
+
+/// One node of the walk: the divergence point `m` of `rest` with the node's edge, and in
+/// `reach` the workers of `active` that hold the node up to `m` (with the partial list it
+/// read in `partials`). `None` when the edge was replaced, or trimmed below `m`, while the
+/// step read the node's bits: the caller runs it again.
+///
+/// Why the edge is checked again at the end: `full` means "holds the whole edge *now*", so
+/// a worker seen in `full` holds `m` blocks only if the length stayed at least `m` while
+/// the bits were read. The writer publishes a trim before the promotions it causes (and
+/// removes a worker's coverage before the trim), but the step loads the length first, so
+/// without the check it could pair a length from before a trim with a `full` bit from
+/// after the promotion, and credit the promoted worker with blocks it never held (loom
+/// model `loom_models_trim_then_promote_past_the_query`). Within one buffer the length only
+/// rises (appends in place while nothing was trimmed) and then only falls (trims; an append
+/// after a trim copies to a new buffer, see `raw::edge`), so if the buffer is the same at
+/// both ends of the step and both lengths are at least `m`, the length was at least `m` at
+/// every moment in between, and every `full` bit the step saw stands for `m` blocks. The
+/// partial list's cutoffs are absolute, and cells below a loaded length never change.
+#[inline(always)]
+fn node_step<S: SlotSet>(
+    node: &Node,
+    rest: &[u64],
+    active: &S,
+    reach: &mut S,
+    partials: &mut SmallVec<[(u32, u32); 8]>,
+    guard: &Guard,
+) -> Option<usize> {
+    let edge_ptr = node.edge.load(Ordering::Acquire, guard);
+    // SAFETY: edge buffers are freed through the collector after being replaced.
+    let edge = unsafe { edge_ptr.deref() };
+    let len = edge.len();
+    // SAFETY: indices below a length loaded from this buffer are read-only (raw::edge).
+    let m = unsafe { edge.common_prefix(len, rest) };
+
+    // Workers holding the node up to the divergence point `m`.
+    reach.copy_from(active);
+    reach.and_bits(&node.full, guard);
+    partials.clear();
+    let pl = node.partial.load(Ordering::Acquire, guard);
+    // SAFETY: partial lists are freed through the collector after being replaced.
+    if let Some(p) = unsafe { pl.as_ref() } {
+        p.for_each(|slot, cutoff| partials.push((slot, cutoff)));
+    }
+    for &(slot, cutoff) in partials.iter() {
+        if cutoff as usize >= m && active.contains(slot) {
+            reach.insert(slot);
+        }
+    }
+    // A worker promoted from the partial list to `full` (the writer sets its `full` bit,
+    // then frees its partial entry) is in neither if this step loaded `full` before the
+    // set and the list after the free. The free it missed the entry by was published after
+    // the set, so a second load of `full` has the bit: active workers found in neither are
+    // looked up there again (rare: usually none is lost, and the check is a few word
+    // operations).
+    let mut lost = active.clone();
+    lost.remove_all(reach);
+    for &(slot, _) in partials.iter() {
+        lost.remove(slot);
+    }
+    if !lost.is_empty() {
+        lost.and_bits(&node.full, guard);
+        reach.add_all(&lost);
+    }
+    // The length check: after every load of the node's bits (`Acquire` loads, so these
+    // two come after them).
+    let same = node.edge.load(Ordering::Acquire, guard) == edge_ptr;
+    (same && edge.len() >= m).then_some(m)
 }

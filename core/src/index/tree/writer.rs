@@ -11,8 +11,11 @@
 //!   grows is published before the worker is added to `any`; coverage that shrinks is
 //!   published (worker moved from `full` to `partial`, or its cutoff lowered) *before* the
 //!   edge is trimmed, and workers promoted to `full` by a trim are promoted only *after* it.
-//!   At no moment can a reader compute a cutoff above the worker's true one, except the true
-//!   one of an instant ago.
+//!   A reader loads the edge's length before the bits, so the promotion order alone does not
+//!   keep it from pairing a length from before a trim with a `full` bit from after it; the
+//!   reader checks the edge again after the bits and repeats the node when it was replaced
+//!   or trimmed below the reader's divergence point (`reader::node_step`). With that check,
+//!   no reader computes a cutoff above one the worker had at some moment of its lookup.
 //! * [`ShardWriter::append`] extends the edge of a node held by exactly one worker: the new
 //!   cells are written first, then the length is published with `Release`.
 //! * [`ShardWriter::new_child`] builds a node completely, then links it into its parent's

@@ -10,6 +10,10 @@
 //!   `len` (a trim) — a reader with the older, longer `len` reads blocks that were held a
 //!   moment ago. After a trim the writer never appends in place (`hwm > len`); it copies the
 //!   live prefix into a new buffer instead and retires this one through the epoch collector.
+//! * Hence, within one buffer, the published length only rises (appends) and then only
+//!   falls (trims): a reader that loads the same buffer pointer and a length of at least `m`
+//!   before and after some other loads knows the length was at least `m` throughout. The
+//!   reader's node step relies on this (`reader::node_step`).
 
 use crossbeam_epoch::Owned;
 
