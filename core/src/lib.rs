@@ -7,6 +7,8 @@
 //! * [`event`]: the KV events workers publish (stored, removed, cleared).
 //! * [`codec`]: Dynamo 1.6.1's event-plane wire formats (MessagePack envelope, kv-events,
 //!   replica sync, metrics) and its JSON form of KV events.
+//! * [`nats`]: the NATS client protocol, sans I/O (an incremental parser of what the server
+//!   sends, encoders of what a client sends); `kvrouter-io`'s client drives it over sockets.
 //! * [`index`]: the `Index` trait, the semantics every index obeys, and the reference
 //!   index that is the oracle for the fast ones.
 //! * [`policy`]: the cost of sending a request to each worker, and the choice (Dynamo's
@@ -28,6 +30,7 @@ pub mod codec;
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod nats;
 pub mod policy;
 pub mod prefetch;
 pub mod recovery;

@@ -2,7 +2,7 @@
 //! panics, and parsing the same bytes whole or in pieces gives the same operations.
 #![no_main]
 
-use kvrouter_io::nats::proto::{Parser, ServerOp};
+use kvrouter_core::nats::{Parser, ServerOp};
 use libfuzzer_sys::fuzz_target;
 
 fn drain(p: &mut Parser, out: &mut Vec<ServerOp>) -> bool {
