@@ -329,6 +329,25 @@ fn loom_models_merged_order_race() {
     });
 }
 
+/// Worker 9 holds blocks [1, 2] of one node and worker 4 holds [1]; a writer thread makes
+/// worker 9 drop block 2, so the edge is trimmed to one block and worker 4 (which now holds
+/// all of it) moves from the partial list to `full`, while this thread looks up `query`.
+/// Returns the answer as `(worker, score)` pairs.
+fn lookup_during_trim_and_promotion(query: &[u64]) -> Vec<(u64, u32)> {
+    let (mut w, reader) = writer_and_reader();
+    w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
+    w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
+    let t = thread::spawn(move || {
+        let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
+        w.apply_event(&evict).unwrap();
+        w
+    });
+    let query: Vec<LocalBlockHash> = query.iter().map(|&l| LocalBlockHash(l)).collect();
+    let got = reader.find_matches(&query);
+    drop(t.join().unwrap());
+    got.iter().map(|(w, s)| (w.worker_id, s)).collect()
+}
+
 /// A partial holder promoted to `full` while a reader walks the node: the writer sets the
 /// `full` bit, then frees the partial entry, so a reader that loaded `full` before the set
 /// and the list after the free finds the worker in neither, and must look in `full` again.
@@ -336,46 +355,21 @@ fn loom_models_merged_order_race() {
 #[test]
 fn loom_models_partial_holder_promoted_to_full() {
     model(|| {
-        let (mut w, reader) = writer_and_reader();
-        w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
-        w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
-        let t = thread::spawn(move || {
-            // Worker 9 drops block 2: the edge is trimmed to one block and worker 4, which
-            // holds all of it now, moves from the partial list to `full`.
-            let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
-            w.apply_event(&evict).unwrap();
-            w
-        });
-        let got = reader.find_matches(&[LocalBlockHash(1)]);
-        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
-        assert_eq!(scores, [(4, 1), (9, 1)]);
-        drop(t.join().unwrap());
+        assert_eq!(lookup_during_trim_and_promotion(&[1]), [(4, 1), (9, 1)]);
     });
 }
 
-/// A trim that promotes a partial holder, seen by a reader whose query runs past the new
-/// length: worker 9 holds blocks [1, 2] of the node, worker 4 holds [1]; worker 9 drops block
-/// 2, so the edge is trimmed to one block and worker 4 (now holding all of it) moves to
-/// `full`. A reader that loaded the edge's length before the trim and `full` after the
-/// promotion would credit worker 4 with block 2, which it never held: every answer must
-/// score worker 4 exactly 1, and worker 9 one of the 2 or 1 blocks it held.
+/// The same trim and promotion, seen by a reader whose query runs past the new length. A
+/// reader that loaded the edge's length before the trim and `full` after the promotion
+/// would credit worker 4 with block 2, which it never held: every answer must score worker
+/// 4 exactly 1, and worker 9 one of the 2 or 1 blocks it held.
 #[test]
 fn loom_models_trim_then_promote_past_the_query() {
     model(|| {
-        let (mut w, reader) = writer_and_reader();
-        w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
-        w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
-        let t = thread::spawn(move || {
-            let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
-            w.apply_event(&evict).unwrap();
-            w
-        });
-        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2)]);
-        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        let scores = lookup_during_trim_and_promotion(&[1, 2]);
         assert!(
             matches!(scores.as_slice(), [(4, 1), (9, 1 | 2)]),
             "{scores:?}"
         );
-        drop(t.join().unwrap());
     });
 }
