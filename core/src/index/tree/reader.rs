@@ -465,6 +465,12 @@ fn walk<S: SlotSet>(
 /// both ends of the step and both lengths are at least `m`, the length was at least `m` at
 /// every moment in between, and every `full` bit the step saw stands for `m` blocks. The
 /// partial list's cutoffs are absolute, and cells below a loaded length never change.
+///
+/// "Moments" are points of the writer's program order: every store a reader can see is the
+/// one writer's, with `Release`, and every load here is `Acquire`, so the values one step
+/// reads are those at a sequence of such points that never goes back in the order of the
+/// loads. A buffer seen twice is the same buffer throughout: a replaced one is retired
+/// through the collector, so its address is not reused while this lookup is pinned.
 #[inline(always)]
 fn node_step<S: SlotSet>(
     node: &Node,
