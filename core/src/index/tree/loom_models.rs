@@ -182,19 +182,30 @@ fn writer_and_reader() -> (ShardWriter, TreeReader) {
     (w, reader)
 }
 
-/// A root-level stored chain of `(local, sequence)` hashes.
-fn stored(worker: u64, event_id: u64, blocks: &[(u64, u64)]) -> RouterEvent {
+/// A stored chain of `(local, sequence)` hashes under the block named `parent`, or at the
+/// root.
+fn stored_under(
+    worker: u64,
+    event_id: u64,
+    parent: Option<u64>,
+    blocks: &[(u64, u64)],
+) -> RouterEvent {
     RouterEvent::new(
         worker,
         KvCacheEvent::stored(
             event_id,
             0,
-            None,
+            parent.map(SequenceBlockHash),
             blocks
                 .iter()
                 .map(|&(l, s)| (LocalBlockHash(l), SequenceBlockHash(s))),
         ),
     )
+}
+
+/// A root-level stored chain of `(local, sequence)` hashes.
+fn stored(worker: u64, event_id: u64, blocks: &[(u64, u64)]) -> RouterEvent {
+    stored_under(worker, event_id, None, blocks)
 }
 
 /// The whole writer: a store, then an eviction, while a reader looks up. The reader's
@@ -371,5 +382,35 @@ fn loom_models_trim_then_promote_past_the_query() {
             matches!(scores.as_slice(), [(4, 1), (9, 1 | 2)]),
             "{scores:?}"
         );
+    });
+}
+
+/// A node's blocks below a lookup's divergence point replaced while the lookup goes from the
+/// node to its child. Worker 9 alone holds one node `[1, 2, 3]`; the query `[1, 2, 5]` leaves
+/// it at position 2. The writer then drops blocks 3 and 2 (a trim to `[1]`), stores `[7, 8]`
+/// after block 1 (an append after a trim copies into a new buffer: `[1, 7, 8]`), and stores
+/// `[5]` after block 7 (a child attached at position 2). A lookup that checked the node's
+/// edge before the trim and looked up its child after the last store would follow a path
+/// `1, 2, 5` that never existed and score worker 9 three blocks; it held at most two of the
+/// query's blocks at any moment, and always block 1.
+#[test]
+fn loom_models_child_found_below_replaced_blocks() {
+    model(|| {
+        let (mut w, reader) = writer_and_reader();
+        w.apply_event(&stored(9, 0, &[(1, 11), (2, 12), (3, 13)]))
+            .unwrap();
+        let t = thread::spawn(move || {
+            let evict = KvCacheEvent::removed(1, 0, [SequenceBlockHash(13), SequenceBlockHash(12)]);
+            w.apply_event(&RouterEvent::new(9, evict)).unwrap();
+            w.apply_event(&stored_under(9, 2, Some(11), &[(7, 17), (8, 18)]))
+                .unwrap();
+            w.apply_event(&stored_under(9, 3, Some(17), &[(5, 15)]))
+                .unwrap();
+            w
+        });
+        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2), LocalBlockHash(5)]);
+        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        assert!(matches!(scores.as_slice(), [(9, 1 | 2)]), "{scores:?}");
+        drop(t.join().unwrap());
     });
 }

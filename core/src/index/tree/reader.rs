@@ -404,20 +404,14 @@ fn walk<S: SlotSet>(
             return;
         }
         let rest = &query[depth..];
-        // The node step, retried while the edge changes under it (see `node_step`).
-        let m = loop {
-            if let Some(m) = node_step(node, rest, &active, &mut reach, &mut partials, guard) {
-                break m;
+        // The node step, retried while the edge changes under it (see `node_step`), and
+        // the child that continues the query.
+        let (m, child) = loop {
+            if let Some(found) = node_step(node, rest, &active, &mut reach, &mut partials, guard) {
+                break found;
             }
         };
-        // The child that continues the query, and who holds it.
-        let child: Option<&Node> = if m < rest.len() {
-            let t = node.children.load(Ordering::Acquire, guard);
-            // SAFETY: as for the root's table.
-            unsafe { t.as_ref() }.and_then(|t| t.get(m as u32, rest[m], guard))
-        } else {
-            None
-        };
+        // Who holds the child.
         keep.copy_from(&reach);
         match child {
             Some(c) => keep.and_bits(&c.any, guard),
@@ -448,10 +442,11 @@ fn walk<S: SlotSet>(
     }
 }
 
-/// One node of the walk: the divergence point `m` of `rest` with the node's edge, and in
-/// `reach` the workers of `active` that hold the node up to `m` (with the partial list it
-/// read in `partials`). `None` when the edge was replaced, or trimmed below `m`, while the
-/// step read the node's bits: the caller runs it again.
+/// One node of the walk: the divergence point `m` of `rest` with the node's edge, the child
+/// attached at `m` that continues `rest` (if any), and in `reach` the workers of `active`
+/// that hold the node up to `m` (with the partial list it read in `partials`). `None` when
+/// the edge was replaced, or trimmed below `m`, while the step read the node's bits and
+/// child table: the caller runs it again.
 ///
 /// Why the edge is checked again at the end: `full` means "holds the whole edge *now*", so
 /// a worker seen in `full` holds `m` blocks only if the length stayed at least `m` while
@@ -466,20 +461,30 @@ fn walk<S: SlotSet>(
 /// every moment in between, and every `full` bit the step saw stands for `m` blocks. The
 /// partial list's cutoffs are absolute, and cells below a loaded length never change.
 ///
+/// The child is looked up inside the step, before the check, for the same reason: the
+/// node's blocks below `m` can change (a trim below `m`, then an append that copies new
+/// blocks into a new buffer), and a child looked up after that would hang below blocks
+/// the query does not follow (loom model `loom_models_child_found_below_replaced_blocks`).
+/// A child found while the blocks below `m` stayed those the query matched hangs below
+/// them. Its `any` may be loaded after the check: a worker in it holds the child, so the
+/// child is still linked, and a linked child's parent cannot have lost the blocks below
+/// it (trimming below `m` leaves every child attached at `m` held by nobody, and such a
+/// child is pruned in the same event, before any append).
+///
 /// "Moments" are points of the writer's program order: every store a reader can see is the
 /// one writer's, with `Release`, and every load here is `Acquire`, so the values one step
 /// reads are those at a sequence of such points that never goes back in the order of the
 /// loads. A buffer seen twice is the same buffer throughout: a replaced one is retired
 /// through the collector, so its address is not reused while this lookup is pinned.
 #[inline(always)]
-fn node_step<S: SlotSet>(
+fn node_step<'g, S: SlotSet>(
     node: &Node,
     rest: &[u64],
     active: &S,
     reach: &mut S,
     partials: &mut SmallVec<[(u32, u32); 8]>,
-    guard: &Guard,
-) -> Option<usize> {
+    guard: &'g Guard,
+) -> Option<(usize, Option<&'g Node>)> {
     let edge_ptr = node.edge.load(Ordering::Acquire, guard);
     // SAFETY: edge buffers are freed through the collector after being replaced.
     let edge = unsafe { edge_ptr.deref() };
@@ -516,8 +521,16 @@ fn node_step<S: SlotSet>(
         lost.and_bits(&node.full, guard);
         reach.add_all(&lost);
     }
-    // The length check: after every load of the node's bits (`Acquire` loads, so these
-    // two come after them).
+    // The child that continues the query.
+    let child = if m < rest.len() {
+        let t = node.children.load(Ordering::Acquire, guard);
+        // SAFETY: child tables are freed through the collector after being replaced.
+        unsafe { t.as_ref() }.and_then(|t| t.get(m as u32, rest[m], guard))
+    } else {
+        None
+    };
+    // The length check: after every load of the node's bits and child table (`Acquire`
+    // loads, so these two come after them).
     let same = node.edge.load(Ordering::Acquire, guard) == edge_ptr;
-    (same && edge.len() >= m).then_some(m)
+    (same && edge.len() >= m).then_some((m, child))
 }
