@@ -414,3 +414,31 @@ fn loom_models_child_found_below_replaced_blocks() {
         drop(t.join().unwrap());
     });
 }
+
+/// A partial holder promoted to `full` and demoted again within one lookup's step on the
+/// node: worker 5 holds the node `[1, 2, 3]`, worker 4 holds `[1, 2]` (a partial entry);
+/// worker 4 stores block 3 (its `full` bit is set, then its entry freed) and drops it
+/// again (a new entry, then its `full` bit cleared). A step that loads `full` before the
+/// promotion, the list between the two events and `full` again after the demotion finds
+/// worker 4 in none of them, though it held at least the query's first block throughout:
+/// every answer must score both workers 1 for the query `[1, 9]`.
+#[test]
+fn loom_models_partial_holder_promoted_and_demoted() {
+    model(|| {
+        let (mut w, reader) = writer_and_reader();
+        w.apply_event(&stored(5, 0, &[(1, 11), (2, 12), (3, 13)]))
+            .unwrap();
+        w.apply_event(&stored(4, 0, &[(1, 11), (2, 12)])).unwrap();
+        let t = thread::spawn(move || {
+            w.apply_event(&stored_under(4, 1, Some(12), &[(3, 13)]))
+                .unwrap();
+            let evict = KvCacheEvent::removed(2, 0, [SequenceBlockHash(13)]);
+            w.apply_event(&RouterEvent::new(4, evict)).unwrap();
+            w
+        });
+        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(9)]);
+        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        assert_eq!(scores, [(4, 1), (5, 1)]);
+        drop(t.join().unwrap());
+    });
+}

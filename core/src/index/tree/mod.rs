@@ -51,8 +51,9 @@
 //! # Consistency
 //!
 //! A lookup never blocks and is never blocked (it is lock-free: a node's step is repeated
-//! only when the writer replaced or trimmed that node's edge during the step's few loads,
-//! see `reader::node_step`). While a write is in flight it may observe:
+//! only when the writer replaced or trimmed that node's edge, or moved one of its holders
+//! between `full` and the partial list and back, during the step's few loads; see
+//! `reader::node_step`). While a write is in flight it may observe:
 //!
 //! * for each worker, a score between the lowest and the highest score that worker had at
 //!   some moment during the lookup — in particular a count that is **briefly short** while

@@ -446,7 +446,8 @@ fn walk<S: SlotSet>(
 /// attached at `m` that continues `rest` (if any), and in `reach` the workers of `active`
 /// that hold the node up to `m` (with the partial list it read in `partials`). `None` when
 /// the edge was replaced, or trimmed below `m`, while the step read the node's bits and
-/// child table: the caller runs it again.
+/// child table, or when a worker of the node moved between `full` and the partial list
+/// both ways during the step: the caller runs it again.
 ///
 /// Why the edge is checked again at the end: `full` means "holds the whole edge *now*", so
 /// a worker seen in `full` holds `m` blocks only if the length stayed at least `m` while
@@ -509,17 +510,28 @@ fn node_step<'g, S: SlotSet>(
     // A worker promoted from the partial list to `full` (the writer sets its `full` bit,
     // then frees its partial entry) is in neither if this step loaded `full` before the
     // set and the list after the free. The free it missed the entry by was published after
-    // the set, so a second load of `full` has the bit: active workers found in neither are
-    // looked up there again (rare: usually none is lost, and the check is a few word
-    // operations).
+    // the set, so a second load of `full` has the bit, unless the worker was also demoted
+    // again (a new entry, then its `full` bit cleared) before that load: active workers
+    // found in neither are looked up in `full` again, and any still missing then that
+    // are still in the node's `any` repeat the step (loom models
+    // `loom_models_partial_holder_promoted_to_full`, `..._promoted_and_demoted`). A worker
+    // out of `any` as well is leaving the node (the writer clears `any` after `full` and
+    // the entry), so it holds none of it at that moment and is scored so. Rare: usually
+    // none is lost, and the check is a few word operations.
     let mut lost = active.clone();
     lost.remove_all(reach);
     for &(slot, _) in partials.iter() {
         lost.remove(slot);
     }
     if !lost.is_empty() {
-        lost.and_bits(&node.full, guard);
-        reach.add_all(&lost);
+        let mut found = lost.clone();
+        found.and_bits(&node.full, guard);
+        reach.add_all(&found);
+        lost.remove_all(&found);
+        lost.and_bits(&node.any, guard);
+        if !lost.is_empty() {
+            return None;
+        }
     }
     // The child that continues the query.
     let child = if m < rest.len() {

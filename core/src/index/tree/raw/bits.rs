@@ -9,7 +9,8 @@
 //! * The overflow array only grows: to grow, the writer copies the words into a longer
 //!   array, publishes it with `Release` and retires the old one through the epoch
 //!   collector. A reader holding the old array sees the words as they were when it was
-//!   replaced; bits set later are simply not seen yet (a transiently smaller set).
+//!   replaced, which is after the reader loaded it: bits set or cleared later are not seen
+//!   (the set of a moment ago, which is a moment of the reader's lookup).
 
 use crossbeam_epoch::{Atomic, Guard, Owned};
 
