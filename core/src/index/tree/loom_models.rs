@@ -442,3 +442,30 @@ fn loom_models_partial_holder_promoted_and_demoted() {
         drop(t.join().unwrap());
     });
 }
+
+/// A worker leaving a node while a lookup is at it: worker 5 holds the node `[1, 2]`,
+/// worker 4 holds block 1 (a partial entry) and drops it. The writer takes worker 4 out of
+/// `any` before it frees the entry, so that at no point of the writer is a worker in `any`
+/// but in neither `full` nor the list: a lookup that found one such would repeat its step
+/// until the writer moved on, spinning on a writer paused in between. Worker 4 scores 1 or
+/// nothing, worker 5 always 2.
+#[test]
+fn loom_models_holder_leaves_a_node() {
+    model(|| {
+        let (mut w, reader) = writer_and_reader();
+        w.apply_event(&stored(5, 0, &[(1, 11), (2, 12)])).unwrap();
+        w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
+        let t = thread::spawn(move || {
+            let evict = KvCacheEvent::removed(1, 0, [SequenceBlockHash(11)]);
+            w.apply_event(&RouterEvent::new(4, evict)).unwrap();
+            w
+        });
+        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2)]);
+        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        assert!(
+            matches!(scores.as_slice(), [(4, 1), (5, 2)] | [(5, 2)]),
+            "{scores:?}"
+        );
+        drop(t.join().unwrap());
+    });
+}

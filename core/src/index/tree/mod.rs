@@ -66,6 +66,11 @@
 //! * never a worker's slot attributed to another worker: slots of removed workers are
 //!   reused only after a grace period.
 //!
+//! "A moment during the lookup" counts events by their effect: a worker's state before an
+//! event that was being applied while the lookup ran, and its state after it, both belong
+//! to the lookup (`tests/index_tree.rs` checks each answer against every state of the
+//! shard from the one the lookup started on to one event past the one it returned on).
+//!
 //! Once the writer has applied an event and the lookup starts after that, the lookup sees
 //! the event (`Release` on publication, `Acquire` on every load a lookup makes).
 

@@ -514,10 +514,12 @@ fn node_step<'g, S: SlotSet>(
     // again (a new entry, then its `full` bit cleared) before that load: active workers
     // found in neither are looked up in `full` again, and any still missing then that
     // are still in the node's `any` repeat the step (loom models
-    // `loom_models_partial_holder_promoted_to_full`, `..._promoted_and_demoted`). A worker
-    // out of `any` as well is leaving the node (the writer clears `any` after `full` and
-    // the entry), so it holds none of it at that moment and is scored so. Rare: usually
-    // none is lost, and the check is a few word operations.
+    // `loom_models_partial_holder_promoted_to_full`, `..._promoted_and_demoted`): the writer
+    // keeps every worker of `any` in `full` or the list at every point, so the repeat
+    // waits on no writer, only on one that moved the worker during the step. A worker out
+    // of `any` as well is leaving the node in an event this lookup overlaps (the writer
+    // takes it out of `any` first, `loom_models_holder_leaves_a_node`), and is scored as
+    // after it. Rare: usually none is lost, and the check is a few word operations.
     let mut lost = active.clone();
     lost.remove_all(reach);
     for &(slot, _) in partials.iter() {

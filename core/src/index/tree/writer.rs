@@ -8,7 +8,10 @@
 //! Consistency section of the [parent module](super) promises:
 //!
 //! * [`ShardWriter::set_coverage`] changes one worker's cutoff on one node. Coverage that
-//!   grows is published before the worker is added to `any`; coverage that shrinks is
+//!   grows is published before the worker is added to `any`; a worker that leaves the node
+//!   leaves `any` first, so a worker in `any` is always in `full` or the partial list (a
+//!   promotion sets `full` before it frees the entry, a demotion writes the entry before it
+//!   clears `full`); coverage that shrinks is
 //!   published (worker moved from `full` to `partial`, or its cutoff lowered) *before* the
 //!   edge is trimmed, and workers promoted to `full` by a trim are promoted only *after* it.
 //!   A reader loads the edge's length before the bits, so the promotion order alone does not
@@ -868,13 +871,15 @@ impl ShardWriter {
         }
         // 1. Publish the worker's smaller coverage.
         if new == 0 {
+            // Out of `any` first: at no point is a worker in `any` but in neither `full`
+            // nor the list (a lookup that finds one repeats its step, `reader::node_step`).
+            node.any.clear(slot, guard);
             if was_full {
                 node.full.clear(slot, guard);
             } else {
                 let p = self.nodes[x as usize].holders[hi].partial;
                 self.partials(x, guard).clear(p as usize);
             }
-            node.any.clear(slot, guard);
             self.nodes[x as usize].holders.swap_remove(hi);
             self.adjust_parent_kids(x, slot, false);
         } else {
