@@ -70,6 +70,11 @@
 //! event that was being applied while the lookup ran, and its state after it, both belong
 //! to the lookup (`tests/index_tree.rs` checks each answer against every state of the
 //! shard from the one the lookup started on to one event past the one it returned on).
+//! One exception: a stored chain that reuses names the worker holds at other positions
+//! first drops those blocks (and what the worker holds below them), then stores the
+//! chain, so a lookup in flight may see that worker's count dip below both its count
+//! before the event and after it, for the moment in between. Engines that name blocks by
+//! content never do this; it takes a worker that renames its blocks.
 //!
 //! Once the writer has applied an event and the lookup starts after that, the lookup sees
 //! the event (`Release` on publication, `Acquire` on every load a lookup makes).

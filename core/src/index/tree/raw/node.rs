@@ -6,7 +6,8 @@
 //! in the middle of an edge is a child attached there, not a split. Every worker that holds
 //! any block of the node holds a prefix `[0, cutoff)` of its edge (prefix closure): the
 //! workers whose cutoff is the whole published length are in `full`, the others are in
-//! `partial`, all of them are in `any`.
+//! `partial`, all of them are in `any` (a worker leaving the node leaves `any` first, so
+//! for a moment it is in `full` or `partial` only; never the other way round).
 //!
 //! `attach`, `first` and `id` never change. Everything else is written only by the shard's
 //! writer and read under an epoch guard; each field's module documents its protocol.
