@@ -1,10 +1,10 @@
 //! NATS for kvrouter: the sans-io protocol ([`proto`], which lives in the core as
 //! `kvrouter_core::nats`, where it is fuzzed without the I/O stack) and a client on
 //! glommio's io_uring sockets ([`client`]). No existing crate serves glommio, so the client
-//! is ours; it speaks the core protocol (INFO, CONNECT, PUB/HPUB, SUB/UNSUB, MSG/HMSG, PING/PONG, +OK/-ERR)
-//! with token and user/password authentication, request/reply through an inbox,
-//! `max_payload`, pipelined writes with backpressure, and reconnects with re-subscription;
-//! [`jetstream`] adds the JetStream calls of the durable mode.
+//! is ours; it speaks the core protocol (INFO, CONNECT, PUB/HPUB, SUB/UNSUB, MSG/HMSG,
+//! PING/PONG, +OK/-ERR) with token and user/password authentication, request/reply through
+//! an inbox, `max_payload`, pipelined writes with backpressure, and reconnects with
+//! re-subscription; [`jetstream`] adds the JetStream calls of the durable mode.
 
 pub mod client;
 pub mod jetstream;

@@ -340,23 +340,41 @@ fn loom_models_merged_order_race() {
     });
 }
 
-/// Worker 9 holds blocks [1, 2] of one node and worker 4 holds [1]; a writer thread makes
-/// worker 9 drop block 2, so the edge is trimmed to one block and worker 4 (which now holds
-/// all of it) moves from the partial list to `full`, while this thread looks up `query`.
-/// Returns the answer as `(worker, score)` pairs.
-fn lookup_during_trim_and_promotion(query: &[u64]) -> Vec<(u64, u32)> {
+/// An eviction of `names` by `worker` (dp rank 0).
+fn evicted(worker: u64, event_id: u64, names: &[u64]) -> RouterEvent {
+    let names = names.iter().map(|&n| SequenceBlockHash(n));
+    RouterEvent::new(worker, KvCacheEvent::removed(event_id, 0, names))
+}
+
+/// Applies `before` to a fresh shard, then `during` on a writer thread while this thread
+/// looks up `query`; returns the answer as `(worker, score)` pairs.
+fn lookup_during(
+    before: &[RouterEvent],
+    during: Vec<RouterEvent>,
+    query: &[u64],
+) -> Vec<(u64, u32)> {
     let (mut w, reader) = writer_and_reader();
-    w.apply_event(&stored(9, 0, &[(1, 11), (2, 12)])).unwrap();
-    w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
+    for e in before {
+        w.apply_event(e).unwrap();
+    }
     let t = thread::spawn(move || {
-        let evict = RouterEvent::new(9, KvCacheEvent::removed(1, 0, [SequenceBlockHash(12)]));
-        w.apply_event(&evict).unwrap();
+        for e in &during {
+            w.apply_event(e).unwrap();
+        }
         w
     });
     let query: Vec<LocalBlockHash> = query.iter().map(|&l| LocalBlockHash(l)).collect();
     let got = reader.find_matches(&query);
     drop(t.join().unwrap());
     got.iter().map(|(w, s)| (w.worker_id, s)).collect()
+}
+
+/// Worker 9 holds blocks [1, 2] of one node and worker 4 holds [1]; worker 9 drops block 2,
+/// so the edge is trimmed to one block and worker 4 (which now holds all of it) moves from
+/// the partial list to `full`, while a lookup of `query` runs.
+fn lookup_during_trim_and_promotion(query: &[u64]) -> Vec<(u64, u32)> {
+    let before = [stored(9, 0, &[(1, 11), (2, 12)]), stored(4, 0, &[(1, 11)])];
+    lookup_during(&before, vec![evicted(9, 1, &[12])], query)
 }
 
 /// A partial holder promoted to `full` while a reader walks the node: the writer sets the
@@ -396,22 +414,14 @@ fn loom_models_trim_then_promote_past_the_query() {
 #[test]
 fn loom_models_child_found_below_replaced_blocks() {
     model(|| {
-        let (mut w, reader) = writer_and_reader();
-        w.apply_event(&stored(9, 0, &[(1, 11), (2, 12), (3, 13)]))
-            .unwrap();
-        let t = thread::spawn(move || {
-            let evict = KvCacheEvent::removed(1, 0, [SequenceBlockHash(13), SequenceBlockHash(12)]);
-            w.apply_event(&RouterEvent::new(9, evict)).unwrap();
-            w.apply_event(&stored_under(9, 2, Some(11), &[(7, 17), (8, 18)]))
-                .unwrap();
-            w.apply_event(&stored_under(9, 3, Some(17), &[(5, 15)]))
-                .unwrap();
-            w
-        });
-        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2), LocalBlockHash(5)]);
-        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        let during = vec![
+            evicted(9, 1, &[13, 12]),
+            stored_under(9, 2, Some(11), &[(7, 17), (8, 18)]),
+            stored_under(9, 3, Some(17), &[(5, 15)]),
+        ];
+        let before = [stored(9, 0, &[(1, 11), (2, 12), (3, 13)])];
+        let scores = lookup_during(&before, during, &[1, 2, 5]);
         assert!(matches!(scores.as_slice(), [(9, 1 | 2)]), "{scores:?}");
-        drop(t.join().unwrap());
     });
 }
 
@@ -425,21 +435,15 @@ fn loom_models_child_found_below_replaced_blocks() {
 #[test]
 fn loom_models_partial_holder_promoted_and_demoted() {
     model(|| {
-        let (mut w, reader) = writer_and_reader();
-        w.apply_event(&stored(5, 0, &[(1, 11), (2, 12), (3, 13)]))
-            .unwrap();
-        w.apply_event(&stored(4, 0, &[(1, 11), (2, 12)])).unwrap();
-        let t = thread::spawn(move || {
-            w.apply_event(&stored_under(4, 1, Some(12), &[(3, 13)]))
-                .unwrap();
-            let evict = KvCacheEvent::removed(2, 0, [SequenceBlockHash(13)]);
-            w.apply_event(&RouterEvent::new(4, evict)).unwrap();
-            w
-        });
-        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(9)]);
-        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
-        assert_eq!(scores, [(4, 1), (5, 1)]);
-        drop(t.join().unwrap());
+        let before = [
+            stored(5, 0, &[(1, 11), (2, 12), (3, 13)]),
+            stored(4, 0, &[(1, 11), (2, 12)]),
+        ];
+        let during = vec![
+            stored_under(4, 1, Some(12), &[(3, 13)]),
+            evicted(4, 2, &[13]),
+        ];
+        assert_eq!(lookup_during(&before, during, &[1, 9]), [(4, 1), (5, 1)]);
     });
 }
 
@@ -452,20 +456,11 @@ fn loom_models_partial_holder_promoted_and_demoted() {
 #[test]
 fn loom_models_holder_leaves_a_node() {
     model(|| {
-        let (mut w, reader) = writer_and_reader();
-        w.apply_event(&stored(5, 0, &[(1, 11), (2, 12)])).unwrap();
-        w.apply_event(&stored(4, 0, &[(1, 11)])).unwrap();
-        let t = thread::spawn(move || {
-            let evict = KvCacheEvent::removed(1, 0, [SequenceBlockHash(11)]);
-            w.apply_event(&RouterEvent::new(4, evict)).unwrap();
-            w
-        });
-        let got = reader.find_matches(&[LocalBlockHash(1), LocalBlockHash(2)]);
-        let scores: Vec<(u64, u32)> = got.iter().map(|(w, s)| (w.worker_id, s)).collect();
+        let before = [stored(5, 0, &[(1, 11), (2, 12)]), stored(4, 0, &[(1, 11)])];
+        let scores = lookup_during(&before, vec![evicted(4, 1, &[11])], &[1, 2]);
         assert!(
             matches!(scores.as_slice(), [(4, 1), (5, 2)] | [(5, 2)]),
             "{scores:?}"
         );
-        drop(t.join().unwrap());
     });
 }

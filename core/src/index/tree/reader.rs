@@ -404,8 +404,8 @@ fn walk<S: SlotSet>(
             return;
         }
         let rest = &query[depth..];
-        // The node step, retried while the edge changes under it (see `node_step`), and
-        // the child that continues the query.
+        // The node step and the child that continues the query, repeated while the writer
+        // changes the node under it (see `node_step`).
         let (m, child) = loop {
             if let Some(found) = node_step(node, rest, &active, &mut reach, &mut partials, guard) {
                 break found;

@@ -11,9 +11,9 @@
 //!   grows is published before the worker is added to `any`; a worker that leaves the node
 //!   leaves `any` first, so a worker in `any` is always in `full` or the partial list (a
 //!   promotion sets `full` before it frees the entry, a demotion writes the entry before it
-//!   clears `full`); coverage that shrinks is
-//!   published (worker moved from `full` to `partial`, or its cutoff lowered) *before* the
-//!   edge is trimmed, and workers promoted to `full` by a trim are promoted only *after* it.
+//!   clears `full`); coverage that shrinks is published (worker moved from `full` to
+//!   `partial`, or its cutoff lowered) *before* the edge is trimmed, and workers promoted
+//!   to `full` by a trim are promoted only *after* it.
 //!   A reader loads the edge's length before the bits, so the promotion order alone does not
 //!   keep it from pairing a length from before a trim with a `full` bit from after it; the
 //!   reader checks the edge again after the bits and repeats the node when it was replaced
