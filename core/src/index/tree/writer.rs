@@ -71,6 +71,23 @@ struct TailRun {
     floor: u32,
 }
 
+/// Where the part of a planned chain past the existing edges goes
+/// ([`ShardWriter::plan_chain`]): `blocks[from..]` of the chain.
+#[derive(Debug, Clone, Copy)]
+enum NewStorage {
+    /// The chain ends on existing edges.
+    None,
+    /// Appended to the edge of `node`, which only this worker holds, all of it.
+    Append { node: NodeId, from: usize },
+    /// A new child of `parent` at `attach`; it gets node id `id`.
+    Child {
+        parent: NodeId,
+        attach: u32,
+        id: NodeId,
+        from: usize,
+    },
+}
+
 /// One worker's hold on one node.
 #[derive(Debug, Clone, Copy)]
 struct Holder {
@@ -211,6 +228,11 @@ pub struct ShardWriter {
     held: Vec<Option<u64>>,
     /// Scratch: the local hashes of the new part of a stored chain.
     locals: Vec<u64>,
+    /// Scratch: the existing edges a planned chain follows, `(node, from, count)`
+    /// ([`ShardWriter::plan_chain`]).
+    segments: Vec<(NodeId, u32, u32)>,
+    /// Scratch: where each block of a planned chain goes (packed).
+    planned: Vec<u64>,
     /// Unlinked objects waiting for their grace period.
     garbage: Reclaimer,
 }
@@ -240,6 +262,8 @@ impl ShardWriter {
             buckets: Vec::new(),
             held: Vec::new(),
             locals: Vec::new(),
+            segments: Vec::new(),
+            planned: Vec::new(),
             garbage: Reclaimer::new(),
         }
     }
@@ -492,6 +516,45 @@ impl ShardWriter {
         held.clear();
         buckets.clear();
         hs.extend(blocks.iter().map(|b| name_hash(b.block_hash.0)));
+        // The common case first: a chain none of whose names the worker has, which does
+        // not run over blocks the worker already holds. Its place in the tree is planned
+        // before the map is touched (read-only), so that one probe per name both checks
+        // that the name is new and sets where it goes; the tree is then changed as
+        // planned. Any name found takes the general path below, with the map as it was.
+        let map = &mut self.state(slot).blocks;
+        map.ready_prefetch(blocks.len());
+        for &h in hs.iter().take(PREFETCH_AHEAD) {
+            map.prefetch(h);
+        }
+        if let Some(tail) = self.plan_chain(slot, parent_loc, blocks, guard) {
+            let planned = std::mem::take(&mut self.planned);
+            let map = &mut self.state(slot).blocks;
+            let mut fresh = blocks.len();
+            for (i, ((b, &h), &v)) in blocks.iter().zip(&hs).zip(&planned).enumerate() {
+                if let Some(&ahead) = hs.get(i + PREFETCH_AHEAD) {
+                    map.prefetch(ahead);
+                }
+                if map.insert_new_h(h, b.block_hash.0, v).is_some() {
+                    fresh = i;
+                    break;
+                }
+            }
+            self.planned = planned;
+            if fresh == blocks.len() {
+                let out = self.store_planned(slot, blocks, &hs, tail, guard);
+                self.held = held;
+                self.hashes = hs;
+                self.buckets = buckets;
+                return Ok(out);
+            }
+            // Names `..fresh` were new (the first name found ends the loop, and a name
+            // repeated in the chain is found at its second use): they go, and the map is
+            // as it was.
+            let map = &mut self.state(slot).blocks;
+            for (b, &h) in blocks[..fresh].iter().zip(&hs) {
+                map.remove_h(h, b.block_hash.0);
+            }
+        }
         // Where the worker already has each name (one lookup per block, reused below until
         // a cascade or a rename changes the map). A name it lacks is reserved in the same
         // probe (`PENDING`), so that the insert's memory traffic overlaps the other
@@ -560,6 +623,140 @@ impl ShardWriter {
         self.hashes = hs;
         self.buckets = buckets;
         Ok(out)
+    }
+
+    /// Plans where a stored chain goes if the worker holds none of its names: the existing
+    /// edges it follows (`self.segments`), where each block goes (`self.planned`), and
+    /// where the rest goes ([`NewStorage`]). Reads the tree only. `None` when the chain
+    /// runs over a block the worker already holds (a renamed path: the general path
+    /// handles it). What [`Self::store_chain`] does for such a chain, step for step.
+    fn plan_chain(
+        &mut self,
+        slot: u32,
+        parent_loc: Option<(NodeId, u32)>,
+        blocks: &[StoredBlock],
+        guard: &Guard,
+    ) -> Option<NewStorage> {
+        let mut segments = std::mem::take(&mut self.segments);
+        let mut planned = std::mem::take(&mut self.planned);
+        segments.clear();
+        planned.clear();
+        let tail = self.plan_into(slot, parent_loc, blocks, &mut segments, &mut planned, guard);
+        self.segments = segments;
+        self.planned = planned;
+        tail
+    }
+
+    fn plan_into(
+        &self,
+        slot: u32,
+        parent_loc: Option<(NodeId, u32)>,
+        blocks: &[StoredBlock],
+        segments: &mut Vec<(NodeId, u32, u32)>,
+        planned: &mut Vec<u64>,
+        guard: &Guard,
+    ) -> Option<NewStorage> {
+        let (mut n, mut next) = parent_loc.map_or((ROOT, 0), |(n, p)| (n, p + 1));
+        let mut i = 0;
+        while i < blocks.len() {
+            let Some((t, p)) = self.locate(n, next, blocks[i].tokens_hash.0, guard) else {
+                // New storage, decided as `store_chain` decides it once the edges above
+                // are covered: covering adds this worker to their holders, so "this
+                // worker alone" after covering is "this worker alone" now (every node
+                // has a holder).
+                let m = &self.nodes[n as usize];
+                let rest = (blocks.len() - i) as u32;
+                let tail = if n != ROOT
+                    && next == m.len
+                    && m.holders.len() == 1
+                    && m.holders[0].slot == slot
+                {
+                    planned.extend((next..next + rest).map(|q| pack(n, q)));
+                    NewStorage::Append { node: n, from: i }
+                } else {
+                    // The id `new_child` takes: nothing is freed between now and then.
+                    let id = self
+                        .free_ids
+                        .last()
+                        .copied()
+                        .unwrap_or(self.nodes.len() as NodeId);
+                    planned.extend((0..rest).map(|q| pack(id, q)));
+                    NewStorage::Child {
+                        parent: n,
+                        attach: next,
+                        id,
+                        from: i,
+                    }
+                };
+                return Some(tail);
+            };
+            let m = &self.nodes[t as usize];
+            if m.cutoff(slot) > p {
+                return None;
+            }
+            let len = m.len;
+            let mut k = 1;
+            while i + k < blocks.len()
+                && p + (k as u32) < len
+                && self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0
+            {
+                k += 1;
+            }
+            let k32 = k as u32;
+            planned.extend((p..p + k32).map(|q| pack(t, q)));
+            segments.push((t, p, k32));
+            (n, next) = (t, p + k32);
+            i += k;
+        }
+        Some(NewStorage::None)
+    }
+
+    /// Carries out a plan of [`Self::plan_chain`] whose names are all in the map already,
+    /// at their planned places. `hs[i]` is the `name_hash` of `blocks[i]`'s name.
+    fn store_planned(
+        &mut self,
+        slot: u32,
+        blocks: &[StoredBlock],
+        hs: &[u64],
+        tail: NewStorage,
+        guard: &Guard,
+    ) -> ApplyOutcome {
+        let segments = std::mem::take(&mut self.segments);
+        for &(t, p, k) in &segments {
+            self.set_coverage(t, slot, p + k, guard);
+        }
+        self.segments = segments;
+        let from = match tail {
+            NewStorage::None => blocks.len(),
+            NewStorage::Append { from, .. } | NewStorage::Child { from, .. } => from,
+        };
+        let mut locals = std::mem::take(&mut self.locals);
+        locals.clear();
+        locals.extend(blocks[from..].iter().map(|b| b.tokens_hash.0));
+        match tail {
+            NewStorage::None => {}
+            NewStorage::Append { node, .. } => self.append(node, slot, &locals, guard),
+            NewStorage::Child {
+                parent, attach, id, ..
+            } => {
+                let got = self.new_child(parent, attach, &locals, slot, guard);
+                if got != id {
+                    // Not reached: no id is freed or taken between the plan and here.
+                    // Should it ever be, the map follows the tree.
+                    debug_assert_eq!(got, id, "planned node id");
+                    let map = &mut self.state(slot).blocks;
+                    for (j, (b, &h)) in blocks[from..].iter().zip(&hs[from..]).enumerate() {
+                        map.set_h(h, b.block_hash.0, pack(got, j as u32));
+                    }
+                }
+            }
+        }
+        self.locals = locals;
+        self.blocks += blocks.len();
+        ApplyOutcome {
+            stored: blocks.len() as u32,
+            ..Default::default()
+        }
     }
 
     /// The mutation part of a store (validated by the caller). `hs[i]` is the
