@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use kvrouter_core::index::ops::{self, Naming, Op, OpResult};
-use kvrouter_core::index::tree::shard_for;
 use kvrouter_core::index::{Index, OverlapScores, ReferenceIndex, TreeIndex};
 use kvrouter_core::worker::WorkerDp;
 use proptest::prelude::*;
@@ -118,13 +117,15 @@ struct Observation {
 fn concurrent(ops_: Vec<Op>, shards: usize, readers: usize) -> Result<(), TestCaseError> {
     // Per-shard event lists (lookups and whole-worker removals are dropped: the first are
     // what readers do, the second are exercised sequentially).
+    let index = TreeIndex::new(shards);
+    let map = index.shard_map();
     let mut per_shard: Vec<Vec<Op>> = vec![Vec::new(); shards];
     for op in ops_ {
         if let Some(w) = ops::op_worker(&op) {
-            per_shard[shard_for(w.worker_id, shards)].push(op);
+            per_shard[map.shard_of(w.worker_id)].push(op);
         }
     }
-    let (writers, reader) = TreeIndex::new(shards).into_parts();
+    let (writers, reader) = index.into_parts();
     let progress: Arc<Vec<AtomicUsize>> =
         Arc::new((0..shards).map(|_| AtomicUsize::new(0)).collect());
     let done = Arc::new(AtomicBool::new(false));
@@ -250,9 +251,9 @@ fn concurrent(ops_: Vec<Op>, shards: usize, readers: usize) -> Result<(), TestCa
     }
     for o in &observations {
         for (w, _) in o.answer.iter() {
-            let s = shard_for(w.worker_id, shards);
             prop_assert!(
-                per_shard[s].iter().any(|op| ops::op_worker(op) == Some(w)),
+                map.get(w.worker_id)
+                    .is_some_and(|s| per_shard[s].iter().any(|op| ops::op_worker(op) == Some(w))),
                 "unknown worker {}",
                 w
             );

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use kvrouter_core::event::{KvCacheEvent, RouterEvent};
 use kvrouter_core::hash::LocalBlockHash;
 use kvrouter_core::index::OverlapScores;
-use kvrouter_core::index::tree::{TreeIndex, shard_for};
+use kvrouter_core::index::tree::TreeIndex;
 use kvrouter_core::prefetch::prefetch_slice;
 use serde::Serialize;
 
@@ -163,11 +163,14 @@ pub fn run_tree(
     passes: usize,
 ) -> ConcurrentReport {
     let writers = writers.max(1);
-    let (shards, reader) = TreeIndex::new(writers).into_parts();
+    let index = TreeIndex::new(writers);
+    let map = index.shard_map();
+    let (shards, reader) = index.into_parts();
     let events = pass_events(log, passes);
+    // Routed as the ingest routes them: each worker to its shard, assigned on first sight.
     let mut lists: Vec<Vec<&RouterEvent>> = vec![Vec::new(); writers];
     for e in &events {
-        lists[shard_for(e.worker_id, writers)].push(e);
+        lists[map.shard_of(e.worker_id)].push(e);
     }
     let queries: Vec<Vec<LocalBlockHash>> = log.queries().map(<[_]>::to_vec).collect();
     measure(

@@ -8,8 +8,8 @@
 //! * the **NATS core** runs the [`Client`], subscribes to the kv-events, metrics and
 //!   discovery subjects, decodes every message (bad ones are counted, logged and
 //!   skipped), tracks worker liveness, runs recovery requests, and hands each worker's
-//!   events to the shard that owns the worker (`shard_for(worker_id)`) over a bounded flume
-//!   channel, in arrival order;
+//!   events to the shard that owns the worker (its [`ShardMap`]: round-robin by arrival)
+//!   over a bounded flume channel, in arrival order;
 //! * each **shard core** owns one [`ShardWriter`] and the event-id bookkeeping of its
 //!   workers ([`EventIds`]): it applies events as they arrive, never waiting for more.
 //!
@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use glommio::{LocalExecutorBuilder, Placement};
 use kvrouter_core::codec::{self, Envelope, Subjects, kv, metrics};
 use kvrouter_core::event::RouterEvent;
-use kvrouter_core::index::tree::{ShardWriter, TreeIndex, TreeReader, shard_for};
+use kvrouter_core::index::tree::{ShardMap, ShardWriter, TreeIndex, TreeReader};
 use kvrouter_core::index::{ApplyError, WorkerSummary};
 use kvrouter_core::recovery::{Announcement, EventIds, RecoveryReply, RecoveryRequest, Verdict};
 use kvrouter_core::snapshot::{SnapshotMeta, SnapshotView, StreamPosition, WorkerRecord};
@@ -370,6 +370,8 @@ pub struct Ingest {
     /// Lookups, readiness, counters and summaries: what the ingest shares with readers.
     view: IngestView,
     shard_tx: Vec<flume::Sender<ShardCmd>>,
+    /// Which shard owns each worker.
+    map: Arc<ShardMap>,
     nats_tx: flume::Sender<NatsCmd>,
     latencies: Arc<Mutex<Vec<u64>>>,
     threads: Vec<glommio::ExecutorJoinHandle<()>>,
@@ -487,12 +489,10 @@ impl IngestView {
 
     /// The last applied event id of one (worker, dp rank).
     pub fn last_event_id(&self, worker: WorkerDp) -> Option<u64> {
-        let shard = shard_for(worker.worker_id, self.summaries.len());
-        self.summaries[shard]
-            .lock()
-            .ok()?
-            .get(&worker)
-            .and_then(|s| s.last_event_id)
+        // One shard has the worker; there are a handful.
+        self.summaries
+            .iter()
+            .find_map(|s| s.lock().ok()?.get(&worker).map(|s| s.last_event_id))?
     }
 }
 
@@ -501,11 +501,13 @@ impl Ingest {
     /// active (or the first connection failed).
     pub fn start(cfg: IngestConfig) -> Result<Ingest, IngestError> {
         let shards = cfg.shards.max(1);
-        let (mut writers, reader) = TreeIndex::new(shards).into_parts();
+        let index = TreeIndex::new(shards);
+        let map = index.shard_map();
+        let (mut writers, reader) = index.into_parts();
         let counters = Arc::new(IngestCounters::default());
         let store = cfg.snapshot.as_ref().map(|s| SnapshotStore::new(&s.dir));
         let restored = match &store {
-            Some(store) => restore(store, &cfg, &mut writers, &counters),
+            Some(store) => restore(store, &cfg, &mut writers, &map, &counters),
             None => Restored::empty(shards),
         };
         let ready = Arc::new(AtomicBool::new(false));
@@ -549,6 +551,7 @@ impl Ingest {
         let nats_core = NatsCoreConfig {
             cfg: cfg.clone(),
             shards: shard_tx.clone(),
+            map: Arc::clone(&map),
             counters: Arc::clone(&counters),
             ready: Arc::clone(&ready),
             store,
@@ -569,6 +572,7 @@ impl Ingest {
                 members,
             },
             shard_tx,
+            map,
             nats_tx,
             latencies,
             threads,
@@ -621,7 +625,7 @@ impl Ingest {
 
     /// Removes a worker now (all dp ranks).
     pub fn remove_worker(&self, worker_id: WorkerId) {
-        let shard = shard_for(worker_id, self.shard_tx.len());
+        let shard = self.map.shard_of(worker_id);
         let _ = self.shard_tx[shard].send(ShardCmd::Remove { worker_id });
     }
 
@@ -700,6 +704,7 @@ fn restore(
     store: &SnapshotStore,
     cfg: &IngestConfig,
     writers: &mut [ShardWriter],
+    map: &ShardMap,
     counters: &IngestCounters,
 ) -> Restored {
     let shards = writers.len();
@@ -729,7 +734,7 @@ fn restore(
     let mut blocks = 0u64;
     for e in view.events() {
         blocks += e.block_count() as u64;
-        let w = shard_for(e.worker_id, shards);
+        let w = map.shard_of(e.worker_id);
         if let Err(err) = writers[w].apply_event(&e) {
             // A valid file from a buggy writer: keep what applies, say so.
             tracing::warn!(error = %err, "snapshot chain rejected while restoring");
@@ -737,7 +742,7 @@ fn restore(
     }
     let now = Instant::now();
     for r in view.workers() {
-        let i = shard_for(r.worker.worker_id, shards);
+        let i = map.shard_of(r.worker.worker_id);
         if let Some(id) = r.last_event_id {
             out.ids[i].set(r.worker, id, r.publisher);
         }
@@ -1132,6 +1137,7 @@ struct Liveness {
 struct NatsCoreConfig {
     cfg: IngestConfig,
     shards: Vec<flume::Sender<ShardCmd>>,
+    map: Arc<ShardMap>,
     counters: Arc<IngestCounters>,
     ready: Arc<AtomicBool>,
     store: Option<SnapshotStore>,
@@ -1144,6 +1150,7 @@ impl NatsCoreConfig {
         NatsCore {
             cfg: self.cfg,
             shards: self.shards,
+            map: self.map,
             counters: self.counters,
             ready: self.ready,
             workers: RefCell::new(self.liveness),
@@ -1159,6 +1166,8 @@ impl NatsCoreConfig {
 struct NatsCore {
     cfg: IngestConfig,
     shards: Vec<flume::Sender<ShardCmd>>,
+    /// Which shard owns each worker.
+    map: Arc<ShardMap>,
     counters: Arc<IngestCounters>,
     ready: Arc<AtomicBool>,
     workers: RefCell<HashMap<WorkerId, Liveness>>,
@@ -1175,7 +1184,7 @@ struct NatsCore {
 
 impl NatsCore {
     fn shard_of(&self, worker_id: WorkerId) -> usize {
-        shard_for(worker_id, self.shards.len())
+        self.map.shard_of(worker_id)
     }
 
     async fn run(

@@ -3,15 +3,15 @@
 //!
 //! # Shape, and why
 //!
-//! Workers are partitioned into **shards** (`shard_for(worker_id)`; all dp ranks of a
-//! worker in one shard). Each shard is a compressed radix tree with exactly **one writer**,
-//! the [`ShardWriter`], which a thread-per-core runtime pins to one core: every event of a
-//! worker is applied by that core, so per-worker order needs no lock and the writer never
-//! contends with another writer (no CAS loops, no lock on shared nodes). Readers
-//! ([`TreeReader`]) walk every shard's tree and merge the scores; worker sets of shards are
-//! disjoint, and each shard's writer publishes its slots in worker order, so the answer
-//! comes out sorted with no sort: over up to four shards through the shards' orders merged
-//! once per change (cached in the reader), otherwise one linear merge per shard.
+//! Workers are partitioned into **shards** ([`ShardMap`]: round-robin by arrival; all dp
+//! ranks of a worker in one shard). Each shard is a compressed radix tree with exactly
+//! **one writer**, the [`ShardWriter`], which a thread-per-core runtime pins to one core:
+//! every event of a worker is applied by that core, so per-worker order needs no lock and
+//! the writer never contends with another writer (no CAS loops, no lock on shared nodes).
+//! Readers ([`TreeReader`]) walk every shard's tree and merge the scores; worker sets of
+//! shards are disjoint, and each shard's writer publishes its slots in worker order, so the
+//! answer comes out sorted with no sort: over up to four shards through the shards' orders
+//! merged once per change (cached in the reader), otherwise one linear merge per shard.
 //!
 //! The alternative — one tree shared by all writer cores, with atomic worker bitsets per
 //! node — saves the per-shard walks (one walk instead of S) and shares prefixes across
@@ -87,7 +87,8 @@ pub(crate) mod raw;
 mod reader;
 mod writer;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use writer::ShardShared;
 pub use writer::ShardWriter;
@@ -97,10 +98,73 @@ use crate::event::RouterEvent;
 use crate::hash::{LocalBlockHash, local_hashes_as_u64};
 use crate::worker::{WorkerDp, WorkerId};
 
-/// The shard that owns `worker_id` among `shards` shards.
-#[inline]
-pub fn shard_for(worker_id: WorkerId, shards: usize) -> usize {
-    ((worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % shards as u64) as usize
+/// Which shard owns each worker. A worker gets a shard the first time it is asked for —
+/// the shard that then has the fewest workers, the lowest such on ties (round-robin by
+/// arrival) — and keeps it for the map's lifetime, so that every event, dp rank and
+/// removal of one worker goes to one writer. A hash of the id cannot balance a handful of
+/// workers (the one we used put 9 of the ids 0–15 on one of two shards, and that shard's
+/// writer set the pace); counting can. The map keeps one entry per worker id it has seen.
+///
+/// One per [`TreeIndex`] ([`TreeIndex::shard_map`]); whoever routes events to its writers
+/// (the ingest, a benchmark) asks it, as [`TreeIndex::apply`] does.
+#[derive(Debug)]
+pub struct ShardMap {
+    shards: usize,
+    inner: RwLock<ShardMapInner>,
+}
+
+#[derive(Debug, Default)]
+struct ShardMapInner {
+    of: HashMap<WorkerId, u32>,
+    /// Workers per shard.
+    counts: Vec<u32>,
+}
+
+impl ShardMap {
+    /// A map over `shards` shards (at least one).
+    pub fn new(shards: usize) -> Self {
+        let shards = shards.max(1);
+        Self {
+            shards,
+            inner: RwLock::new(ShardMapInner {
+                of: HashMap::new(),
+                counts: vec![0; shards],
+            }),
+        }
+    }
+
+    /// Number of shards.
+    pub fn shards(&self) -> usize {
+        self.shards
+    }
+
+    /// The shard of `worker_id`, assigned now if it has none.
+    pub fn shard_of(&self, worker_id: WorkerId) -> usize {
+        if self.shards == 1 {
+            return 0;
+        }
+        if let Some(s) = self.get(worker_id) {
+            return s;
+        }
+        // Nothing under the lock can panic; a poisoned lock still holds a whole map.
+        let mut g = self.inner.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(&s) = g.of.get(&worker_id) {
+            return s as usize;
+        }
+        let s = (0..self.shards).min_by_key(|&i| g.counts[i]).unwrap_or(0);
+        g.counts[s] += 1;
+        g.of.insert(worker_id, s as u32);
+        s
+    }
+
+    /// The shard of `worker_id` if it has one (every worker has shard 0 of one shard).
+    pub fn get(&self, worker_id: WorkerId) -> Option<usize> {
+        if self.shards == 1 {
+            return Some(0);
+        }
+        let g = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+        g.of.get(&worker_id).map(|&s| s as usize)
+    }
 }
 
 impl ShardWriter {
@@ -212,6 +276,7 @@ impl TreeReader {
 pub struct TreeIndex {
     writers: Vec<ShardWriter>,
     reader: TreeReader,
+    map: Arc<ShardMap>,
 }
 
 impl Default for TreeIndex {
@@ -228,7 +293,12 @@ impl TreeIndex {
             shards: writers.iter().map(|w| Arc::clone(w.shared())).collect(),
             merged: Arc::default(),
         };
-        Self { writers, reader }
+        let map = Arc::new(ShardMap::new(writers.len()));
+        Self {
+            writers,
+            reader,
+            map,
+        }
     }
 
     /// A lookup handle that stays valid while the writers live.
@@ -236,14 +306,20 @@ impl TreeIndex {
         self.reader.clone()
     }
 
-    /// The per-shard writers (route each worker with [`shard_for`]) and a reader.
+    /// Which shard owns each worker; take it before [`Self::into_parts`] to route events
+    /// to the writers.
+    pub fn shard_map(&self) -> Arc<ShardMap> {
+        Arc::clone(&self.map)
+    }
+
+    /// The per-shard writers (route each worker with the [`ShardMap`] of
+    /// [`Self::shard_map`]) and a reader.
     pub fn into_parts(self) -> (Vec<ShardWriter>, TreeReader) {
         (self.writers, self.reader)
     }
 
     fn writer_for(&mut self, worker_id: WorkerId) -> &mut ShardWriter {
-        let n = self.writers.len();
-        &mut self.writers[shard_for(worker_id, n)]
+        &mut self.writers[self.map.shard_of(worker_id)]
     }
 
     /// Heap bytes held by the index (nodes, edges, tables, block maps).
@@ -271,11 +347,18 @@ impl Index for TreeIndex {
     }
 
     fn clear(&mut self, worker: WorkerDp) -> usize {
-        self.writer_for(worker.worker_id).clear_worker(worker)
+        // A worker without a shard has nothing to clear (and gets no shard for it).
+        match self.map.get(worker.worker_id) {
+            Some(s) => self.writers[s].clear_worker(worker),
+            None => 0,
+        }
     }
 
     fn remove_worker(&mut self, worker_id: WorkerId) -> usize {
-        self.writer_for(worker_id).remove_worker(worker_id)
+        match self.map.get(worker_id) {
+            Some(s) => self.writers[s].remove_worker(worker_id),
+            None => 0,
+        }
     }
 
     fn workers(&self) -> Vec<WorkerSummary> {
@@ -293,5 +376,38 @@ impl Index for TreeIndex {
         // Group by worker, keeping each worker's parent-first order.
         events.sort_by_key(|e| e.worker());
         events
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_map_balances_workers_by_arrival_and_keeps_them() {
+        let map = ShardMap::new(2);
+        // Ids a hash split 9 / 7; any arrival order splits them 8 / 8.
+        let order = [3u64, 0, 15, 7, 8, 1, 2, 14, 4, 5, 6, 9, 10, 11, 12, 13];
+        let first: Vec<usize> = order.iter().map(|&w| map.shard_of(w)).collect();
+        assert_eq!(first.iter().filter(|&&s| s == 0).count(), 8);
+        assert_eq!(first[..4], [0, 1, 0, 1]);
+        // Sticky: asked again, in any order, the same shard.
+        for (&w, &s) in order.iter().zip(&first).rev() {
+            assert_eq!(map.shard_of(w), s);
+            assert_eq!(map.get(w), Some(s));
+        }
+        // `get` assigns nothing.
+        assert_eq!(map.get(99), None);
+        assert_eq!(map.shard_of(99), 0);
+        assert_eq!(ShardMap::new(1).get(5), Some(0));
+        assert_eq!(ShardMap::new(0).shards(), 1);
+    }
+
+    #[test]
+    fn removing_an_unseen_worker_assigns_it_no_shard() {
+        let mut idx = TreeIndex::new(2);
+        assert_eq!(idx.remove_worker(7), 0);
+        assert_eq!(idx.clear(WorkerDp::new(7, 0)), 0);
+        assert_eq!(idx.shard_map().get(7), None);
     }
 }
