@@ -625,6 +625,8 @@ impl Ingest {
 
     /// Removes a worker now (all dp ranks).
     pub fn remove_worker(&self, worker_id: WorkerId) {
+        // `shard_of`, not `get`: a worker whose first events the NATS core is routing now
+        // gets one shard either way, so its removal queues behind them.
         let shard = self.map.shard_of(worker_id);
         let _ = self.shard_tx[shard].send(ShardCmd::Remove { worker_id });
     }
