@@ -140,9 +140,6 @@ impl ShardMap {
 
     /// The shard of `worker_id`, assigned now if it has none.
     pub fn shard_of(&self, worker_id: WorkerId) -> usize {
-        if self.shards == 1 {
-            return 0;
-        }
         if let Some(s) = self.get(worker_id) {
             return s;
         }

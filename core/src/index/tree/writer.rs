@@ -484,6 +484,45 @@ impl ShardWriter {
         Some((child.id, 0))
     }
 
+    /// How many blocks of `blocks[i..]` follow the edge of node `t` from position `p`,
+    /// where `blocks[i]` sits: at least 1, and `blocks[i + k]` only while `more(i + k)`.
+    #[inline(always)]
+    fn run_along(
+        &self,
+        t: NodeId,
+        p: u32,
+        blocks: &[StoredBlock],
+        i: usize,
+        guard: &Guard,
+        more: impl Fn(usize) -> bool,
+    ) -> usize {
+        let len = self.nodes[t as usize].len;
+        let mut k = 1;
+        while i + k < blocks.len()
+            && p + (k as u32) < len
+            && self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0
+            && more(i + k)
+        {
+            k += 1;
+        }
+        k
+    }
+
+    /// Whether new storage after position `next - 1` of node `n` is appended to `n`'s edge:
+    /// `next` is its end and `slot` its only holder (so it holds all of it).
+    fn appends_at(&self, n: NodeId, next: u32, slot: u32) -> bool {
+        let m = &self.nodes[n as usize];
+        n != ROOT && next == m.len && m.holders.len() == 1 && m.holders[0].slot == slot
+    }
+
+    /// The id [`Self::new_child`] gives the next node.
+    fn next_node_id(&self) -> NodeId {
+        self.free_ids
+            .last()
+            .copied()
+            .unwrap_or(self.nodes.len() as NodeId)
+    }
+
     fn apply_stored(
         &mut self,
         slot: u32,
@@ -541,7 +580,7 @@ impl ShardWriter {
             }
             self.planned = planned;
             if fresh == blocks.len() {
-                let out = self.store_planned(slot, blocks, &hs, tail, guard);
+                let out = self.store_planned(slot, blocks, tail, guard);
                 self.held = held;
                 self.hashes = hs;
                 self.buckets = buckets;
@@ -664,22 +703,14 @@ impl ShardWriter {
                 // are covered: covering adds this worker to their holders, so "this
                 // worker alone" after covering is "this worker alone" now (every node
                 // has a holder).
-                let m = &self.nodes[n as usize];
                 let rest = (blocks.len() - i) as u32;
-                let tail = if n != ROOT
-                    && next == m.len
-                    && m.holders.len() == 1
-                    && m.holders[0].slot == slot
-                {
+                let tail = if self.appends_at(n, next, slot) {
                     planned.extend((next..next + rest).map(|q| pack(n, q)));
                     NewStorage::Append { node: n, from: i }
                 } else {
-                    // The id `new_child` takes: nothing is freed between now and then.
-                    let id = self
-                        .free_ids
-                        .last()
-                        .copied()
-                        .unwrap_or(self.nodes.len() as NodeId);
+                    // The id `new_child` takes: nothing is freed or taken between now and
+                    // then.
+                    let id = self.next_node_id();
                     planned.extend((0..rest).map(|q| pack(id, q)));
                     NewStorage::Child {
                         parent: n,
@@ -690,18 +721,10 @@ impl ShardWriter {
                 };
                 return Some(tail);
             };
-            let m = &self.nodes[t as usize];
-            if m.cutoff(slot) > p {
+            if self.nodes[t as usize].cutoff(slot) > p {
                 return None;
             }
-            let len = m.len;
-            let mut k = 1;
-            while i + k < blocks.len()
-                && p + (k as u32) < len
-                && self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0
-            {
-                k += 1;
-            }
+            let k = self.run_along(t, p, blocks, i, guard, |_| true);
             let k32 = k as u32;
             planned.extend((p..p + k32).map(|q| pack(t, q)));
             segments.push((t, p, k32));
@@ -712,12 +735,11 @@ impl ShardWriter {
     }
 
     /// Carries out a plan of [`Self::plan_chain`] whose names are all in the map already,
-    /// at their planned places. `hs[i]` is the `name_hash` of `blocks[i]`'s name.
+    /// at their planned places.
     fn store_planned(
         &mut self,
         slot: u32,
         blocks: &[StoredBlock],
-        hs: &[u64],
         tail: NewStorage,
         guard: &Guard,
     ) -> ApplyOutcome {
@@ -740,15 +762,7 @@ impl ShardWriter {
                 parent, attach, id, ..
             } => {
                 let got = self.new_child(parent, attach, &locals, slot, guard);
-                if got != id {
-                    // Not reached: no id is freed or taken between the plan and here.
-                    // Should it ever be, the map follows the tree.
-                    debug_assert_eq!(got, id, "planned node id");
-                    let map = &mut self.state(slot).blocks;
-                    for (j, (b, &h)) in blocks[from..].iter().zip(&hs[from..]).enumerate() {
-                        map.set_h(h, b.block_hash.0, pack(got, j as u32));
-                    }
-                }
+                debug_assert_eq!(got, id, "planned node id");
             }
         }
         self.locals = locals;
@@ -831,15 +845,7 @@ impl ShardWriter {
                 Some((t, p)) => {
                     // Extend the worker's coverage along an existing edge as far as the
                     // chain follows it with fresh names.
-                    let len = self.nodes[t as usize].len;
-                    let mut k = 1;
-                    while i + k < blocks.len()
-                        && p + (k as u32) < len
-                        && self.local_at(t, p + k as u32, guard) == blocks[i + k].tokens_hash.0
-                        && held[i + k].is_none()
-                    {
-                        k += 1;
-                    }
+                    let k = self.run_along(t, p, blocks, i, guard, |j| held[j].is_none());
                     let map = &mut self.state(slot).blocks;
                     for (j, ((blk, &x), &at)) in blocks[i..i + k]
                         .iter()
@@ -879,12 +885,7 @@ impl ShardWriter {
                     let mut locals = std::mem::take(&mut self.locals);
                     locals.clear();
                     locals.extend(rest.iter().map(|b| b.tokens_hash.0));
-                    let m = &self.nodes[n as usize];
-                    let (t, start) = if n != ROOT
-                        && next == m.len
-                        && m.holders.len() == 1
-                        && m.holders[0].slot == slot
-                    {
+                    let (t, start) = if self.appends_at(n, next, slot) {
                         self.append(n, slot, &locals, guard);
                         (n, next)
                     } else {
@@ -1234,10 +1235,10 @@ impl ShardWriter {
         slot: u32,
         guard: &Guard,
     ) -> NodeId {
-        let id = self.free_ids.pop().unwrap_or_else(|| {
+        let id = self.next_node_id();
+        if self.free_ids.pop().is_none() {
             self.nodes.push(Meta::vacant());
-            (self.nodes.len() - 1) as NodeId
-        });
+        }
         let node = Node::new(attach, id, locals, locals.len());
         node.full.set(slot, guard);
         node.any.set(slot, guard);
