@@ -1,40 +1,70 @@
 //! Writer-only hash tables keyed by a worker's sequence hashes.
 //!
-//! [`BlockMap`] maps each name to where its block sits (`node id << 32 | position`). It is
-//! a hashbrown `HashTable` with explicit hashes: the writer hashes every name of an event
-//! once ([`name_hash`], the SplitMix64 finaliser, fixed so that runs are repeatable under
-//! callgrind and sequential engine block ids spread evenly) and reuses that hash for the
-//! lookup, the insert and the removal of the name. A stored chain is usually placed in the
-//! tree before its names are probed (the writer plans it read-only), so that one probe per
-//! name both checks that the worker lacks it and inserts it with its final location
-//! ([`BlockMap::insert_new_h`]); on the shared replay log that took 14 % off the replay's
-//! instructions and 20 % off its L1 misses. Otherwise (a name the worker already has) a
-//! stored chain's names are looked up and, where absent, reserved in the same probe
-//! ([`BlockMap::claim_h`]), so that the misses of the inserts overlap with those of the
-//! lookups. That probe also marks each name as claimed by the chain, which is how a chain
-//! that names a block twice is caught, and remembers the name's bucket, so that setting it
-//! once the chain is placed needs no second probe ([`BlockMap::set_at`]: a bucket is only a
-//! hint, checked against the key, so a stale one costs the probe and nothing else). A
-//! removal is one probe per name.
+//! [`BlockMap`] maps each name to where its block sits (`node id << 32 | position`). Names
+//! are random keys, so a probe's entry misses the cache (the replay streams its events
+//! through the last-level cache beside the maps, so the misses often go to memory).
 //!
-//! The names of an event are random keys, so each probe misses the cache (the replay
-//! streams its events through the last-level cache, so the misses often go to memory). The
-//! writer hashes all of an event's names first and [prefetches](BlockMap::prefetch) each
-//! name's lines (control group and entries) a fixed distance ahead of its probe (the
-//! writer's `PREFETCH_AHEAD`, 16 names), so that the misses overlap: on the shared replay
-//! log this took a quarter off the sequential replay.
+//! # Layout
 //!
-//! Tables we measured and dropped, on the shared replay log: a Robin Hood table with a
-//! separate tag array (non-power-of-two capacity, 7/8 load), 8 bytes per cached block
-//! smaller but about 20 % slower than hashbrown (both without prefetching); and, with the
-//! same prefetching, linear probing over inline 16-byte `(key, value)` slots (one line per
-//! probe instead of a control line and an entry line), 25-30 % slower than hashbrown both
-//! with backward-shift removal (closing the gap re-hashes the rest of the cluster) and with
-//! tombstones (longer probes). Memory stays under half of Dynamo's per block with hashbrown
-//! (docs/BENCHMARKS.md).
+//! A table of `n` slots (a power of two) in groups of 16, like a Swiss table: one **tag**
+//! byte per slot (0 for an empty slot, else 8 bits of the name's hash, never 0), an entry
+//! `(name, value)` of 16 bytes per slot, and one **overflow count** byte per group. The
+//! tags, 1/16 of the table, are what a probe reads first: for a worker's 16 k names they
+//! are 32 KiB, which the cache keeps, so an insert reads no entry unless a tag matches
+//! (one slot in 255 of the full ones), and a removal reads the one entry it removes.
+//!
+//! * A name's hash picks its **home group** and a start **offset** in it. A new name goes to
+//!   the first empty slot of its home group from that offset on (wrapping within the
+//!   group), so that the slot is near a line the writer prefetched; if the group is full,
+//!   to the next group with room, and every group it passes over counts it in its
+//!   overflow count.
+//! * **Lookup**: compare the home group's 16 tags at once (SSE2) and the entries whose tag
+//!   matches; if none is the name and the group's overflow count is 0, no name from this
+//!   home went further: it is absent. Otherwise go on to the next group.
+//! * **Removal** empties the slot's tag and lowers the counts of the groups between the
+//!   name's home and its slot. No tombstones, as in F14 (folly): a slot is empty or full,
+//!   so churn (the log removes and stores millions of names) never lengthens probes, and a
+//!   removal reads no neighbouring group to decide between empty and deleted.
+//! * A count that reaches 255 **saturates**: it is never raised or lowered again until the
+//!   table is rebuilt, so it only overstates (a lookup may look one group further than it
+//!   needs to, never stops short). Lookups are bounded by the group count besides.
+//! * The table grows (doubles, rebuilding every count exactly) beyond 7/8 full, as
+//!   hashbrown does, so memory is hashbrown's: 17 bytes per slot, plus 1/16 byte for the
+//!   counts.
+//!
+//! We used hashbrown's `HashTable` before, with the same prefetching. This table makes the
+//! replay of the shared log about 10 % faster (interleaved runs), although it runs 9 % more
+//! instructions (callgrind: 733 M against 673 M, mostly its plainer probe loop and its
+//! rebuilds on growth): its probes stall less. With 255 tag values instead of 128, half as
+//! many inserts compare a key on a false tag match (with hashbrown, one insert in eleven
+//! did, and that compare was the costliest instruction of the writer in a sampling
+//! profile); a removal reads no neighbouring group; a new table's entries are not zeroed;
+//! and the prefetched entry lines are those a new name goes to.
+//!
+//! A stored chain is usually placed in the tree before its names are probed (the writer
+//! plans it read-only), so that one probe per name both checks that the worker lacks it and
+//! inserts it with its final location ([`BlockMap::insert_new_h`]). Otherwise (a name the
+//! worker already has) a stored chain's names are looked up and, where absent, reserved in
+//! the same probe ([`BlockMap::claim_h`]). That probe also marks each name as claimed by the
+//! chain, which is how a chain that names a block twice is caught, and returns the name's
+//! slot, so that setting it once the chain is placed needs no second probe
+//! ([`BlockMap::set_at`]: a slot is only a hint, checked against the key, so a stale one
+//! costs the probe and nothing else). A removal is one probe per name.
+//!
+//! The writer hashes all of an event's names first and [prefetches](BlockMap::prefetch)
+//! each name's tags and entry lines a fixed distance ahead of its probe (the writer's
+//! `PREFETCH_AHEAD`, 16 names), so that the misses overlap.
+//!
+//! Tables we measured and dropped, on the shared replay log: hashbrown (above); four
+//! entries per 64-byte line with overflow counts and no tags (every insert then reads a
+//! line of entries to learn that the name is new: 30 % slower stores than hashbrown); a
+//! Robin Hood table with a separate tag array (about 20 % slower than hashbrown, both
+//! without prefetching); linear probing over single 16-byte slots with backward-shift
+//! removal or with tombstones (25-30 % slower than hashbrown with prefetching); four
+//! entries per line with tombstones (2x slower: the tombstones piled up under the log's
+//! churn). See docs/BENCHMARKS.md.
 
-use hashbrown::HashTable;
-use hashbrown::hash_table::Entry;
+use std::mem::MaybeUninit;
 
 use crate::prefetch::prefetch_line;
 
@@ -47,29 +77,86 @@ pub(crate) const PENDING: u64 = u64::MAX;
 /// hundreds of GiB).
 pub(crate) const CLAIMED: u64 = 1 << 63;
 
-/// Bytes of one entry.
-const ENTRY: usize = std::mem::size_of::<(u64, u64)>();
+/// Slots per group.
+const GROUP: usize = 16;
+/// A count that has reached this stays there (see the module docs).
+const SATURATED: u8 = u8::MAX;
+/// Groups of the first table.
+const MIN_GROUPS: usize = 1;
 
-/// The hash of a name, as both tables use it.
+/// The hash of a name, as the table uses it.
 #[inline]
 pub(crate) fn name_hash(key: u64) -> u64 {
     crate::hash::mix(key)
 }
 
-#[inline]
-fn rehash(e: &(u64, u64)) -> u64 {
-    name_hash(e.0)
+/// The tag of a hash: its top 8 bits, 0 (the empty tag) taken as 1.
+#[inline(always)]
+fn tag_of(hash: u64) -> u8 {
+    ((hash >> 56) as u8).max(1)
 }
 
-/// See the [module docs](self). Not `Clone`: a copy would aim its prefetches at the
-/// original's table.
+/// The tags of one group.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(16))]
+struct Tags([u8; GROUP]);
+
+impl Tags {
+    /// Bit `i` set where tag `i` is `t`.
+    #[inline(always)]
+    fn matching(&self, t: u8) -> u16 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{
+                __m128i, _mm_cmpeq_epi8, _mm_load_si128, _mm_movemask_epi8, _mm_set1_epi8,
+            };
+            // SAFETY: `self` is 16 readable bytes aligned to 16 (`repr(align(16))`), and
+            // SSE2 is part of every x86_64 target.
+            unsafe {
+                let v = _mm_load_si128(self.0.as_ptr() as *const __m128i);
+                _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(t as i8))) as u16
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let mut m = 0u16;
+            for (i, &x) in self.0.iter().enumerate() {
+                m |= u16::from(x == t) << i;
+            }
+            m
+        }
+    }
+}
+
+/// One entry: a name and its value.
+type Entry = (u64, u64);
+
+/// What a probe for an insert found.
+enum Probe {
+    /// The key, at this slot.
+    Found(usize),
+    /// Absent; `(home group, the first slot with room from there on)`.
+    Vacant(usize, usize),
+}
+
+/// See the [module docs](self). Not `Clone`: nothing needs a copy.
 #[derive(Debug, Default)]
 pub(crate) struct BlockMap {
-    table: HashTable<(u64, u64)>,
-    /// Where the table's control bytes start, and the bucket count it was taken at: a
-    /// prefetch hint only ([`Self::prefetch`]), refreshed by [`Self::ready_prefetch`].
-    ctrl: usize,
-    ctrl_buckets: usize,
+    /// Per group, its slots' tags (none before the first insert; a power of two groups).
+    tags: Box<[Tags]>,
+    /// Per slot, its entry: written wherever the tag is not 0 (and perhaps uninitialised
+    /// elsewhere: a new table's entries are not zeroed).
+    entries: Box<[MaybeUninit<Entry>]>,
+    /// Per group: how many names with a home at or before it (in probe order) sit past
+    /// it, saturating at [`SATURATED`].
+    over: Box<[u8]>,
+    /// Names held.
+    len: usize,
+    /// Groups minus one (0 with no table: every hash then picks group 0, which `find`
+    /// checks is there).
+    mask: usize,
+    /// Names the table takes before it grows: 7/8 of its slots.
+    limit: usize,
 }
 
 impl BlockMap {
@@ -78,88 +165,235 @@ impl BlockMap {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.table.len()
+        self.len
     }
 
-    /// Bytes of the table: buckets of 16 bytes plus one control byte each.
+    /// Bytes of the table: 17 per slot plus a count per group.
     pub(crate) fn heap_bytes(&self) -> usize {
-        let buckets = if self.table.capacity() == 0 {
-            0
-        } else {
-            (self.table.capacity() * 8 / 7).next_power_of_two()
-        };
-        buckets * 17
+        self.tags.len() * (GROUP * 17 + 1)
     }
 
-    /// Makes room for `additional` more names without moving the table, and refreshes the
-    /// address [`Self::prefetch`] aims at if the table moved (or had no entry to aim from).
-    /// Call before an event's prefetches: a table that grows in the middle of an event
-    /// would leave them aiming at the old one.
+    /// Names `groups` groups take before the table grows: 7/8 of the slots.
+    #[inline]
+    fn limit(groups: usize) -> usize {
+        groups * GROUP / 8 * 7
+    }
+
+    #[inline(always)]
+    fn home(&self, hash: u64) -> usize {
+        (hash >> 4) as usize & self.mask
+    }
+
+    #[inline(always)]
+    fn next(&self, g: usize) -> usize {
+        (g + 1) & self.mask
+    }
+
+    /// The entry of slot `at`, whose tag is not 0.
+    #[inline(always)]
+    fn at(&self, at: usize) -> &Entry {
+        debug_assert_ne!(self.tags[at / GROUP].0[at % GROUP], 0);
+        // SAFETY: callers pass only slots whose tag is not 0, and `put` writes a slot's
+        // entry whenever it sets its tag (a table starts with every tag 0).
+        unsafe { self.entries[at].assume_init_ref() }
+    }
+
+    /// [`Self::at`], mutable.
+    #[inline(always)]
+    fn at_mut(&mut self, at: usize) -> &mut Entry {
+        debug_assert_ne!(self.tags[at / GROUP].0[at % GROUP], 0);
+        // SAFETY: as in `at`.
+        unsafe { self.entries[at].assume_init_mut() }
+    }
+
+    /// Makes room for `additional` more names without moving the table, so that the
+    /// prefetches of an event's names aim at the table its probes will read. Call before
+    /// an event's prefetches.
     #[inline]
     pub(crate) fn ready_prefetch(&mut self, additional: usize) {
-        self.table.reserve(additional, rehash);
-        let n = self.table.num_buckets();
-        if n != self.ctrl_buckets || (self.ctrl == 0 && !self.table.is_empty()) {
-            self.ready_cold(n);
+        self.reserve(additional);
+    }
+
+    /// Makes room for `additional` more names.
+    #[inline(always)]
+    fn reserve(&mut self, additional: usize) {
+        if self.len + additional > self.limit {
+            self.grow(self.len + additional);
         }
     }
 
+    /// Rebuilds the table with enough groups for `need` names (double the groups at least).
     #[cold]
     #[inline(never)]
-    fn ready_cold(&mut self, n: usize) {
-        self.ctrl_buckets = n;
-        self.ctrl = 0;
-        let Some(&(k, _)) = self.table.iter().next() else {
-            return;
-        };
-        let Some(i) = self.table.find_bucket_index(name_hash(k), |e| e.0 == k) else {
-            return;
-        };
-        if let Some(e) = self.table.get_bucket(i) {
-            self.ctrl = (e as *const (u64, u64) as usize).wrapping_add((i + 1) * ENTRY);
+    fn grow(&mut self, need: usize) {
+        let mut n = (self.tags.len() * 2).max(MIN_GROUPS);
+        while Self::limit(n) < need {
+            n *= 2;
+        }
+        self.rebuild(n);
+    }
+
+    /// Moves every name into a fresh table of `n` groups (a power of two with room for
+    /// them all); counts start exact.
+    fn rebuild(&mut self, n: usize) {
+        debug_assert!(n.is_power_of_two() && Self::limit(n) >= self.len);
+        let old_tags = std::mem::replace(&mut self.tags, vec![Tags([0; GROUP]); n].into());
+        let old_entries = std::mem::replace(&mut self.entries, Box::new_uninit_slice(n * GROUP));
+        self.over = vec![0; n].into_boxed_slice();
+        self.len = 0;
+        self.mask = n - 1;
+        self.limit = Self::limit(n);
+        for (g, t) in old_tags.iter().enumerate() {
+            let mut full = !t.matching(0);
+            while full != 0 {
+                // SAFETY: the tag is not 0, so the entry was written (`put`).
+                let (k, v) = unsafe {
+                    old_entries[g * GROUP + full.trailing_zeros() as usize].assume_init()
+                };
+                full &= full - 1;
+                let h = name_hash(k);
+                let home = self.home(h);
+                let at = self.vacant_from(home, h);
+                self.put(home, at, h, k, v);
+            }
         }
     }
 
-    /// Where bucket `i`'s entry sits by hashbrown's layout (entries just below the control
-    /// bytes, one per bucket, last bucket lowest), from the last [`Self::ready_prefetch`].
-    #[inline(always)]
-    fn entry_addr(&self, i: usize) -> usize {
-        self.ctrl.wrapping_sub((i + 1) * ENTRY)
-    }
-
-    /// Asks the cache for the lines a probe of `hash` starts with: the control group at the
-    /// hash's home bucket and the entries from there on (on the shared replay log, 9 in 10
-    /// names sit within 3 buckets of their home). Only a hint: it reads nothing, and an
-    /// address that is off (hashbrown does not promise its layout; a test checks it) costs
-    /// a wasted prefetch, nothing else.
+    /// Asks the cache for the lines a probe of `hash` starts with: the home group's tags
+    /// and the entries from the start offset on (two lines: four entries each). Only a
+    /// hint: it reads nothing.
     #[inline(always)]
     pub(crate) fn prefetch(&self, hash: u64) {
-        if self.ctrl == 0 {
+        if self.tags.is_empty() {
             return;
         }
-        let pos = (hash as usize) & (self.ctrl_buckets - 1);
-        let data = self.entry_addr(pos);
-        prefetch_line(self.ctrl.wrapping_add(pos));
-        prefetch_line(data);
-        prefetch_line(data.wrapping_sub(64));
+        let g = self.home(hash);
+        prefetch_line(self.tags.as_ptr().wrapping_add(g) as usize);
+        let e = self
+            .entries
+            .as_ptr()
+            .wrapping_add(g * GROUP + (hash as usize & (GROUP - 1))) as usize;
+        prefetch_line(e);
+        prefetch_line(e.wrapping_add(64));
     }
 
-    /// [`Self::prefetch`] for a removal, which also reads the control group that ends at
-    /// the entry's bucket (hashbrown's erase looks at the groups before and after the
-    /// entry to choose between empty and tombstone; we aim at the home bucket's, where 9 in
-    /// 10 entries sit within 3 buckets).
+    /// [`Self::prefetch`] for a removal (the same lines: a removal reads nothing else).
     #[inline(always)]
     pub(crate) fn prefetch_removal(&self, hash: u64) {
-        if self.ctrl == 0 {
-            return;
-        }
-        let mask = self.ctrl_buckets - 1;
-        let pos = (hash as usize) & mask;
-        let before = pos.wrapping_sub(16) & mask;
-        if (self.ctrl.wrapping_add(pos) & 63) < 16 || before > pos {
-            prefetch_line(self.ctrl.wrapping_add(before));
-        }
         self.prefetch(hash);
+    }
+
+    /// The slot of `key` (`hash == name_hash(key)`).
+    #[inline(always)]
+    fn find(&self, hash: u64, key: u64) -> Option<usize> {
+        if self.tags.is_empty() {
+            return None;
+        }
+        let t = tag_of(hash);
+        let mut g = self.home(hash);
+        for _ in 0..self.tags.len() {
+            let mut m = self.tags[g].matching(t);
+            while m != 0 {
+                let at = g * GROUP + m.trailing_zeros() as usize;
+                if self.at(at).0 == key {
+                    return Some(at);
+                }
+                m &= m - 1;
+            }
+            if self.over[g] == 0 {
+                return None;
+            }
+            g = self.next(g);
+        }
+        None
+    }
+
+    /// The first empty slot of group `g` from `hash`'s start offset on, wrapping.
+    #[inline(always)]
+    fn vacant_in(&self, g: usize, hash: u64) -> Option<usize> {
+        let empty = self.tags[g].matching(0);
+        if empty == 0 {
+            return None;
+        }
+        let o = hash as u32 & (GROUP as u32 - 1);
+        let i = (empty.rotate_right(o).trailing_zeros() + o) as usize & (GROUP - 1);
+        Some(g * GROUP + i)
+    }
+
+    /// Where `key` (`hash == name_hash(key)`) is, or the slot it would be inserted at.
+    /// Needs room for one more name (the table is never full then).
+    #[inline(always)]
+    fn probe(&self, hash: u64, key: u64) -> Probe {
+        let t = tag_of(hash);
+        let home = self.home(hash);
+        let mut g = home;
+        let mut vacant = None;
+        for _ in 0..self.tags.len() {
+            let mut m = self.tags[g].matching(t);
+            while m != 0 {
+                let at = g * GROUP + m.trailing_zeros() as usize;
+                if self.at(at).0 == key {
+                    return Probe::Found(at);
+                }
+                m &= m - 1;
+            }
+            if vacant.is_none() {
+                vacant = self.vacant_in(g, hash);
+            }
+            if self.over[g] == 0 {
+                break;
+            }
+            g = self.next(g);
+        }
+        let at = vacant.unwrap_or_else(|| self.vacant_from(self.next(g), hash));
+        Probe::Vacant(home, at)
+    }
+
+    /// The first empty slot from group `g` on. Needs an empty slot somewhere.
+    fn vacant_from(&self, mut g: usize, hash: u64) -> usize {
+        loop {
+            if let Some(at) = self.vacant_in(g, hash) {
+                return at;
+            }
+            g = self.next(g);
+        }
+    }
+
+    /// Puts `key` (`hash == name_hash(key)`, home group `home`) in the empty slot `at` and
+    /// counts it in every group from its home to `at`'s.
+    #[inline(always)]
+    fn put(&mut self, home: usize, at: usize, hash: u64, key: u64, val: u64) {
+        let (g, i) = (at / GROUP, at % GROUP);
+        let mut h = home;
+        while h != g {
+            let c = &mut self.over[h];
+            if *c != SATURATED {
+                *c += 1;
+            }
+            h = self.next(h);
+        }
+        self.tags[g].0[i] = tag_of(hash);
+        self.entries[at].write((key, val));
+        self.len += 1;
+    }
+
+    /// Empties slot `at` (which holds a name with hash `hash`) and uncounts it; returns
+    /// its value.
+    #[inline(always)]
+    fn take(&mut self, at: usize, hash: u64) -> u64 {
+        let (g, i) = (at / GROUP, at % GROUP);
+        let mut h = self.home(hash);
+        while h != g {
+            let c = &mut self.over[h];
+            if *c != SATURATED {
+                *c -= 1;
+            }
+            h = self.next(h);
+        }
+        let v = self.at(at).1;
+        self.tags[g].0[i] = 0;
+        self.len -= 1;
+        v
     }
 
     #[inline]
@@ -168,27 +402,42 @@ impl BlockMap {
     }
 
     /// [`Self::get`] with `hash == name_hash(key)` already computed.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get_h(&self, hash: u64, key: u64) -> Option<u64> {
-        self.table.find(hash, |e| e.0 == key).map(|e| e.1)
+        self.find(hash, key).map(|at| self.at(at).1)
+    }
+
+    /// The entry of `key` (`hash == name_hash(key)`): `Ok(slot)` if present, else inserts
+    /// it with `val` and returns `Err(slot)`.
+    #[inline(always)]
+    fn entry(&mut self, hash: u64, key: u64, val: u64) -> Result<usize, usize> {
+        self.reserve(1);
+        match self.probe(hash, key) {
+            Probe::Found(at) => Ok(at),
+            Probe::Vacant(home, at) => {
+                self.put(home, at, hash, key, val);
+                Err(at)
+            }
+        }
     }
 
     /// Claims `key` (`hash == name_hash(key)`) for the chain being validated: returns its
     /// value from before the claim, or `None` and inserts it as [`PENDING`] if absent; and
-    /// either way the entry's bucket, a hint for [`Self::set_at`].
+    /// either way the entry's slot, a hint for [`Self::set_at`].
     /// A present value gets [`CLAIMED`] set, so that a second claim of the same name
     /// returns a value with [`CLAIMED`] set ([`PENDING`] has it too). The caller restores
     /// every value it claimed, and sets or removes every name it reserved, before the map
     /// is read by anything else.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn claim_h(&mut self, hash: u64, key: u64) -> (Option<u64>, usize) {
-        match self.table.entry(hash, |e| e.0 == key, rehash) {
-            Entry::Occupied(mut e) => {
-                let v = e.get().1;
-                e.get_mut().1 = v | CLAIMED;
-                (Some(v), e.bucket_index())
+        match self.entry(hash, key, PENDING) {
+            Ok(at) => {
+                let v = &mut self.at_mut(at).1;
+                let old = *v;
+                *v = old | CLAIMED;
+                (Some(old), at)
             }
-            Entry::Vacant(v) => (None, v.insert((key, PENDING)).bucket_index()),
+            Err(at) => (None, at),
         }
     }
 
@@ -196,26 +445,27 @@ impl BlockMap {
     /// returns its value, unchanged, if present. The fast path of a stored chain
     /// (`ShardWriter::apply_stored`): one probe per name that both checks that the worker
     /// lacks the name and sets its final location.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert_new_h(&mut self, hash: u64, key: u64, val: u64) -> Option<u64> {
-        match self.table.entry(hash, |e| e.0 == key, rehash) {
-            Entry::Occupied(e) => Some(e.get().1),
-            Entry::Vacant(v) => {
-                v.insert((key, val));
-                None
-            }
+        match self.entry(hash, key, val) {
+            Ok(at) => Some(self.at(at).1),
+            Err(_) => None,
         }
     }
 
-    /// [`Self::set_h`], trying bucket `hint` first: a hint from this map that still holds
-    /// `key` saves the probe. Any hint is safe: a stale one (the table grew or rehashed, or
-    /// the entry went) is caught by the key check and falls back to the probe.
+    /// [`Self::set_h`], trying slot `hint` first: a hint from this map that still holds
+    /// `key` saves the probe. Any hint is safe: a stale one (the table grew, or the entry
+    /// went) is caught by the tag and key check and falls back to the probe.
     #[inline(always)]
     pub(crate) fn set_at(&mut self, hint: usize, hash: u64, key: u64, val: u64) {
-        match self.table.get_bucket_mut(hint) {
-            Some(e) if e.0 == key => e.1 = val,
-            _ => self.set_cold(hash, key, val),
+        if let Some(t) = self.tags.get(hint / GROUP)
+            && t.0[hint % GROUP] != 0
+            && self.at(hint).0 == key
+        {
+            self.at_mut(hint).1 = val;
+            return;
         }
+        self.set_cold(hash, key, val)
     }
 
     // The probe behind a stale hint, kept out of line so that the hinted path stays small.
@@ -228,33 +478,41 @@ impl BlockMap {
     /// Sets `key` (`hash == name_hash(key)`) to `val`, inserting it if absent.
     #[inline]
     pub(crate) fn set_h(&mut self, hash: u64, key: u64, val: u64) {
-        match self.table.find_entry(hash, |e| e.0 == key) {
-            Ok(mut e) => e.get_mut().1 = val,
-            Err(_) => {
-                self.table.insert_unique(hash, (key, val), rehash);
-            }
+        if let Ok(at) = self.entry(hash, key, val) {
+            self.at_mut(at).1 = val;
         }
     }
 
     /// Removes `key` (`hash == name_hash(key)`); returns its value.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn remove_h(&mut self, hash: u64, key: u64) -> Option<u64> {
-        match self.table.find_entry(hash, |e| e.0 == key) {
-            Ok(e) => Some(e.remove().0.1),
-            Err(_) => None,
-        }
+        let at = self.find(hash, key)?;
+        Some(self.take(at, hash))
     }
 
     /// Every `(key, value)`.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.table.iter().copied()
+        self.tags.iter().enumerate().flat_map(move |(g, t)| {
+            (0..GROUP)
+                .filter(move |&i| t.0[i] != 0)
+                .map(move |i| *self.at(g * GROUP + i))
+        })
     }
 
-    /// Removes the entries for which `drop(key, value)` is true; returns how many.
+    /// Removes the entries for which `drop(key, value)` is true; returns how many. Moves
+    /// no other entry, so slot hints of the others stay good.
     pub(crate) fn remove_where(&mut self, mut drop: impl FnMut(u64, u64) -> bool) -> usize {
-        let before = self.table.len();
-        self.table.retain(|e| !drop(e.0, e.1));
-        before - self.table.len()
+        let before = self.len;
+        for at in 0..self.entries.len() {
+            if self.tags[at / GROUP].0[at % GROUP] == 0 {
+                continue;
+            }
+            let (k, v) = *self.at(at);
+            if drop(k, v) {
+                self.take(at, name_hash(k));
+            }
+        }
+        before - self.len
     }
 }
 
@@ -330,43 +588,131 @@ mod tests {
         assert_eq!(m.len(), 2000);
     }
 
+    /// Keys whose home group is `g` in a table of `groups` groups.
+    fn keys_homed_at(g: usize, groups: usize, n: usize) -> Vec<u64> {
+        (1..)
+            .filter(|&k| (name_hash(k) >> 4) as usize & (groups - 1) == g)
+            .take(n)
+            .collect()
+    }
+
     #[test]
-    fn prefetches_aim_at_the_entries() {
+    fn overflow_counts_track_names_past_their_home() {
         let mut m = BlockMap::new();
-        m.ready_prefetch(0);
-        assert_eq!(m.ctrl, 0, "an empty table has nothing to aim at");
-        m.prefetch(name_hash(1));
-        for k in 0..5_000u64 {
-            m.set_h(name_hash(k), k, k);
-            if k % 1000 == 0 {
-                m.ready_prefetch(0);
-            }
+        m.ready_prefetch(100);
+        let groups = m.tags.len();
+        assert!(groups >= 8);
+        // Forty names homed at the last group: sixteen fit, the rest wrap around to groups
+        // 0 and 1.
+        let keys = keys_homed_at(groups - 1, groups, 40);
+        for (v, &k) in keys.iter().enumerate() {
+            assert_eq!(m.insert_new_h(name_hash(k), k, v as u64), None);
         }
-        // Growth moved the table; the next event's refresh follows it.
-        m.ready_prefetch(0);
-        assert_eq!(m.ctrl_buckets, m.table.num_buckets());
-        for k in 0..5_000u64 {
-            let i = m
-                .table
-                .find_bucket_index(name_hash(k), |e| e.0 == k)
-                .expect("held");
-            let e = m.table.get_bucket(i).expect("full bucket");
-            assert_eq!(
-                m.entry_addr(i),
-                e as *const (u64, u64) as usize,
-                "bucket {i}"
-            );
+        assert_eq!(m.tags.len(), groups, "no growth");
+        assert_eq!(m.over[groups - 1], 24);
+        assert_eq!(m.over[0], 8);
+        assert_eq!(m.over[1], 0);
+        for (v, &k) in keys.iter().enumerate() {
+            assert_eq!(m.get(k), Some(v as u64));
+        }
+        // Removing a name from the home group leaves a hole that the next insert fills;
+        // the names further on stay reachable.
+        assert_eq!(m.remove_h(name_hash(keys[0]), keys[0]), Some(0));
+        assert_eq!(m.over[groups - 1], 24);
+        assert_eq!(m.remove_h(name_hash(keys[39]), keys[39]), Some(39));
+        assert_eq!((m.over[groups - 1], m.over[0]), (23, 7));
+        for &k in &keys[1..39] {
+            assert!(m.get(k).is_some());
+        }
+        let more = keys_homed_at(groups - 1, groups, 41)[40];
+        assert_eq!(m.insert_new_h(name_hash(more), more, 77), None);
+        assert_eq!(m.over[groups - 1], 23, "took the hole in its home group");
+        assert_eq!(m.get(more), Some(77));
+        for &k in keys[1..39].iter().chain([&more]) {
+            assert!(m.remove_h(name_hash(k), k).is_some());
+        }
+        assert!(m.over.iter().all(|&c| c == 0), "every count back to 0");
+        assert!(m.tags.iter().all(|t| t.0 == [0; GROUP]));
+        assert_eq!(m.len(), 0);
+    }
+
+    #[test]
+    fn saturated_counts_only_overstate() {
+        let mut m = BlockMap::new();
+        m.ready_prefetch(400);
+        let groups = m.tags.len();
+        assert!(BlockMap::limit(groups) >= 400 && groups >= 32);
+        // 300 names homed at group 0: its count passes 255 and saturates.
+        let keys = keys_homed_at(0, groups, 300);
+        for &k in &keys {
+            m.set_h(name_hash(k), k, k);
+        }
+        assert_eq!(m.tags.len(), groups);
+        assert_eq!(m.over[0], SATURATED);
+        for &k in keys.iter().step_by(2) {
+            assert_eq!(m.remove_h(name_hash(k), k), Some(k));
+        }
+        assert_eq!(m.over[0], SATURATED, "never lowered once saturated");
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(m.get(k), (i % 2 == 1).then_some(k));
+        }
+        // A name absent from a saturated chain is still found absent (the probe is
+        // bounded), and inserting it works.
+        let absent = keys_homed_at(0, groups, 301)[300];
+        assert_eq!(m.get(absent), None);
+        assert_eq!(m.insert_new_h(name_hash(absent), absent, 1), None);
+        assert_eq!(m.get(absent), Some(1));
+        // Growth rebuilds the counts exactly.
+        m.ready_prefetch(2000);
+        assert!(m.over.iter().all(|&c| c != SATURATED));
+        assert_eq!(m.len(), 151);
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(m.get(k), (i % 2 == 1).then_some(k));
         }
     }
 
     #[test]
-    fn stale_bucket_hints_fall_back_to_the_probe() {
+    fn tags_are_never_the_empty_tag() {
+        assert_eq!(tag_of(0), 1);
+        assert_eq!(tag_of(0x00ff_ffff_ffff_ffff), 1);
+        assert_eq!(tag_of(0x0100_0000_0000_0000), 1);
+        assert_eq!(tag_of(0xff00_0000_0000_0000), 0xff);
+        let mut t = Tags([0; GROUP]);
+        t.0[3] = 7;
+        t.0[15] = 7;
+        assert_eq!(t.matching(7), 1 << 3 | 1 << 15);
+        assert_eq!(t.matching(0), !(1 << 3 | 1 << 15));
+    }
+
+    #[test]
+    fn names_sit_near_their_start_offset() {
+        let mut m = BlockMap::new();
+        m.ready_prefetch(0);
+        m.prefetch(name_hash(1));
+        for k in 0..5_000u64 {
+            m.set_h(name_hash(k), k, k);
+        }
+        // The prefetch covers the entries from the start offset on, eight slots; most
+        // names sit there.
+        let near = (0..5_000u64)
+            .filter(|&k| {
+                let h = name_hash(k);
+                let at = m.find(h, k).expect("held");
+                let start = m.home(h) * GROUP + (h as usize & (GROUP - 1));
+                at >= start && at < start + 4
+            })
+            .count();
+        assert!(near > 4_000, "{near} of 5000 within 4 slots of their start");
+    }
+
+    #[test]
+    fn stale_slot_hints_fall_back_to_the_probe() {
         let mut m = BlockMap::new();
         for k in 0..8u64 {
             m.set_h(name_hash(k), k, k);
         }
         let hints: Vec<usize> = (0..8u64).map(|k| m.claim_h(name_hash(k), k).1).collect();
-        // Growth moves every entry: the hints now name other keys' buckets or none.
+        // Growth moves every entry: the hints now name other keys' slots or none.
         for k in 100..20_000u64 {
             m.set_h(name_hash(k), k, k);
         }
@@ -376,6 +722,7 @@ mod tests {
         }
         // A hint past the table.
         m.set_at(usize::MAX, name_hash(0), 0, 7);
+        m.set_at(usize::MAX / 2, name_hash(0), 0, 7);
         assert_eq!(m.get(0), Some(7));
         assert_eq!(m.len(), 8 + 19_900);
     }
