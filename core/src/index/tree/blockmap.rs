@@ -53,7 +53,7 @@
 //!
 //! The writer hashes all of an event's names first and [prefetches](BlockMap::prefetch)
 //! each name's tags and entry lines a fixed distance ahead of its probe (the writer's
-//! `PREFETCH_AHEAD`, 16 names), so that the misses overlap.
+//! `PREFETCH_AHEAD`, 24 names), so that the misses overlap.
 //!
 //! Tables we measured and dropped, on the shared replay log: hashbrown (above); four
 //! entries per 64-byte line with overflow counts and no tags (every insert then reads a
@@ -260,8 +260,9 @@ impl BlockMap {
     }
 
     /// Asks the cache for the lines a probe of `hash` starts with: the home group's tags
-    /// and the entries from the start offset on (two lines: four entries each). Only a
-    /// hint: it reads nothing.
+    /// and the entries from the start offset on (three lines, four entries each: a name
+    /// sits within a few slots of its start offset unless its group is nearly full). Only
+    /// a hint: it reads nothing.
     #[inline(always)]
     pub(crate) fn prefetch(&self, hash: u64) {
         if self.tags.is_empty() {
@@ -275,6 +276,7 @@ impl BlockMap {
             .wrapping_add(g * GROUP + (hash as usize & (GROUP - 1))) as usize;
         prefetch_line(e);
         prefetch_line(e.wrapping_add(64));
+        prefetch_line(e.wrapping_add(128));
     }
 
     /// [`Self::prefetch`] for a removal (the same lines: a removal reads nothing else).

@@ -46,8 +46,10 @@ use crate::worker::{WorkerDp, WorkerId};
 
 pub(crate) type NodeId = u32;
 pub(crate) const ROOT: NodeId = 0;
-/// How many names ahead of its probe a name's map lines are prefetched.
-const PREFETCH_AHEAD: usize = 16;
+/// How many names ahead of its probe a name's map lines are prefetched (24 measured about
+/// 5 % faster than 16 on the shared replay log, with three entry lines per name; see
+/// `BlockMap::prefetch`).
+const PREFETCH_AHEAD: usize = 24;
 const NO_PARTIAL: u32 = u32::MAX;
 
 #[inline]
