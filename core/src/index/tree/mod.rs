@@ -37,10 +37,11 @@
 //! trimmed (and compacted when mostly slack); a node nobody holds is unlinked at once and
 //! freed through the epoch collector; no node without a live block survives an event
 //! (`tests/index_tree.rs` checks node counts against block counts). Per cached block we
-//! keep 8 bytes of local hash (shared by all its holders) and one 16-byte entry in the
-//! holder's hash map (sequence hash → node, position) at up to 7/8 load. Sequence hashes are
-//! not stored in the tree: the rare operations that need a worker's names below a block (a
-//! removal in the middle of a chain, a renamed path) scan that worker's map.
+//! keep 8 bytes of local hash (shared by all its holders) and, in the holder's hash map
+//! (sequence hash → node, position), one 16-byte entry and its tag byte at up to 7/8 load
+//! ([`blockmap`]). Sequence hashes are not stored in the tree: the rare operations that
+//! need a worker's names below a block (a removal in the middle of a chain, a renamed path)
+//! scan that worker's map.
 //!
 //! # Writers and readers
 //!
