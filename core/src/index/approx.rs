@@ -11,7 +11,9 @@
 //! Single-threaded, and, like all of `core`, clock-free: every call takes the current time
 //! in milliseconds.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use ahash::AHashMap;
 
 use smallvec::SmallVec;
 
@@ -44,8 +46,10 @@ impl Default for ApproxConfig {
 #[derive(Debug, Default)]
 pub struct ApproxIndex {
     config: ApproxConfig,
-    /// Path hash -> who holds it until when.
-    blocks: HashMap<u64, SmallVec<[(WorkerDp, u64); 2]>>,
+    /// Path hash -> who holds it until when. Keyed by hashes of request tokens, so the
+    /// map's hasher is ahash with per-process random keys: a client cannot aim its requests
+    /// at one bucket.
+    blocks: AHashMap<u64, SmallVec<[(WorkerDp, u64); 2]>>,
     /// Records in time order: (expiry, worker, path hash). Entries whose expiry no longer
     /// matches `blocks` were refreshed later and are skipped.
     order: VecDeque<(u64, WorkerDp, u64)>,

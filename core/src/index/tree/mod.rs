@@ -88,7 +88,7 @@ pub(crate) mod raw;
 mod reader;
 mod writer;
 
-use std::collections::HashMap;
+use ahash::AHashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use writer::ShardShared;
@@ -116,7 +116,7 @@ pub struct ShardMap {
 
 #[derive(Debug, Default)]
 struct ShardMapInner {
-    of: HashMap<WorkerId, u32>,
+    of: AHashMap<WorkerId, u32>,
     /// Workers per shard.
     counts: Vec<u32>,
 }
@@ -128,7 +128,7 @@ impl ShardMap {
         Self {
             shards,
             inner: RwLock::new(ShardMapInner {
-                of: HashMap::new(),
+                of: AHashMap::new(),
                 counts: vec![0; shards],
             }),
         }

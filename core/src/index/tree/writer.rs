@@ -26,7 +26,7 @@
 //! * [`ShardWriter::prune`] unlinks a node that no worker holds and hands it to the epoch
 //!   collector; it is freed once every reader that might have reached it has unpinned.
 
-use std::collections::{HashMap, HashSet};
+use ahash::{AHashMap, AHashSet};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
@@ -216,7 +216,7 @@ pub struct ShardWriter {
     nodes: Vec<Meta>,
     free_ids: Vec<NodeId>,
     slots: Vec<Option<SlotState>>,
-    slot_of: HashMap<WorkerDp, u32>,
+    slot_of: AHashMap<WorkerDp, u32>,
     /// Slots freed by `remove_worker`, handed back after a grace period so that no pinned
     /// reader can attribute an old worker's bits to a new one.
     recycled: Arc<Mutex<Vec<u32>>>,
@@ -257,7 +257,7 @@ impl ShardWriter {
             nodes: vec![root],
             free_ids: Vec::new(),
             slots: Vec::new(),
-            slot_of: HashMap::new(),
+            slot_of: AHashMap::new(),
             recycled: Arc::new(Mutex::new(Vec::new())),
             blocks: 0,
             hashes: Vec::new(),
@@ -956,7 +956,7 @@ impl ShardWriter {
             doomed.push(c);
             stack.extend(self.held_children(c, slot, guard));
         }
-        let doomed_set: HashSet<NodeId> = doomed.iter().copied().collect();
+        let doomed_set: AHashSet<NodeId> = doomed.iter().copied().collect();
         let mut dropped = h.cutoff - q;
         for &d in &doomed {
             dropped += self.nodes[d as usize].cutoff(slot);
