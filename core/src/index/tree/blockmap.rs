@@ -8,12 +8,14 @@
 //!
 //! A table of `n` slots (a power of two) in groups of 16, like a Swiss table: one **tag**
 //! byte per slot (0 for an empty slot, else 8 bits of the name's hash, never 0), an entry
-//! `(name, value)` of 16 bytes per slot, and one **overflow count** byte per group. The
+//! `(name, value)` of 16 bytes per slot (a group's entries are four whole cache lines), and
+//! one **overflow count** byte per group. The
 //! tags, 1/16 of the table, are what a probe reads first: for a worker's 16 k names they
 //! are 32 KiB, which the cache keeps, so an insert reads no entry unless a tag matches
 //! (one slot in 255 of the full ones), and a removal reads the one entry it removes.
 //!
-//! * A name's hash picks its **home group** and a start **offset** in it. A new name goes to
+//! * A name's hash ([`name_hash`], keyed per process so that a worker cannot choose names
+//!   that share a group) picks its **home group** and a start **offset** in it. A new name goes to
 //!   the first empty slot of its home group from that offset on (wrapping within the
 //!   group), so that the slot is near a line the writer prefetched; if the group is full,
 //!   to the next group with room, and every group it passes over counts it in its
@@ -26,16 +28,18 @@
 //!   so churn (the log removes and stores millions of names) never lengthens probes, and a
 //!   removal reads no neighbouring group to decide between empty and deleted.
 //! * A count that reaches 255 **saturates**: it is never raised or lowered again until the
-//!   table is rebuilt, so it only overstates (a lookup may look one group further than it
-//!   needs to, never stops short). Lookups are bounded by the group count besides.
+//!   table is rebuilt, so it only overstates (a lookup may look further than it needs to,
+//!   never stops short). Lookups are bounded by the group count besides. With the hash's
+//!   per-process key a count saturates only if 255 names overflow one group, which
+//!   random names at 7/8 load never do.
 //! * The table grows (doubles, rebuilding every count exactly) beyond 7/8 full, as
 //!   hashbrown does, so memory is hashbrown's: 17 bytes per slot, plus 1/16 byte for the
 //!   counts.
 //!
 //! We used hashbrown's `HashTable` before, with the same prefetching. This table makes the
-//! replay of the shared log about 10 % faster (interleaved runs), although it runs 9 % more
-//! instructions (callgrind: 733 M against 673 M, mostly its plainer probe loop and its
-//! rebuilds on growth): its probes stall less. With 255 tag values instead of 128, half as
+//! replay of the shared log about 10 % faster (interleaved runs), although it runs 11 % more
+//! instructions (callgrind: 746 M against 673 M, mostly its plainer probe loop, its
+//! rebuilds on growth and the keyed hash): its probes stall less. With 255 tag values instead of 128, half as
 //! many inserts compare a key on a false tag match (with hashbrown, one insert in eleven
 //! did, and that compare was the costliest instruction of the writer in a sampling
 //! profile); a removal reads no neighbouring group; a new table's entries are not zeroed;
@@ -64,7 +68,10 @@
 //! entries per line with tombstones (2x slower: the tombstones piled up under the log's
 //! churn). See docs/BENCHMARKS.md.
 
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::mem::MaybeUninit;
+use std::sync::OnceLock;
 
 use crate::prefetch::prefetch_line;
 
@@ -84,10 +91,33 @@ const SATURATED: u8 = u8::MAX;
 /// Groups of the first table.
 const MIN_GROUPS: usize = 1;
 
-/// The hash of a name, as the table uses it.
+/// The hash of a name, as the table uses it: SplitMix64's finaliser of the name xor a key
+/// drawn once per process. Names come from workers' events; with a fixed hash a worker
+/// could pick names that all share one home group (the finaliser is invertible) and make
+/// every probe of its map walk the whole table. Instruction counts (callgrind) therefore
+/// vary a little from run to run with the layout.
 #[inline]
 pub(crate) fn name_hash(key: u64) -> u64 {
-    crate::hash::mix(key)
+    NameHasher::get().hash(key)
+}
+
+/// [`name_hash`] with the process's key loaded once, for loops over an event's names.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NameHasher(u64);
+
+impl NameHasher {
+    /// The process's hasher.
+    #[inline]
+    pub(crate) fn get() -> Self {
+        static KEY: OnceLock<u64> = OnceLock::new();
+        Self(*KEY.get_or_init(|| RandomState::new().hash_one(0x6b76_726f_7574_6572_u64)))
+    }
+
+    /// [`name_hash`] of `key`.
+    #[inline(always)]
+    pub(crate) fn hash(self, key: u64) -> u64 {
+        crate::hash::mix(key ^ self.0)
+    }
 }
 
 /// The tag of a hash: its top 8 bits, 0 (the empty tag) taken as 1.
@@ -131,6 +161,16 @@ impl Tags {
 /// One entry: a name and its value.
 type Entry = (u64, u64);
 
+/// The entries of one group: four whole cache lines.
+#[repr(C, align(64))]
+struct Entries([MaybeUninit<Entry>; GROUP]);
+
+impl std::fmt::Debug for Entries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Entries")
+    }
+}
+
 /// What a probe for an insert found.
 enum Probe {
     /// The key, at this slot.
@@ -146,7 +186,7 @@ pub(crate) struct BlockMap {
     tags: Box<[Tags]>,
     /// Per slot, its entry: written wherever the tag is not 0 (and perhaps uninitialised
     /// elsewhere: a new table's entries are not zeroed).
-    entries: Box<[MaybeUninit<Entry>]>,
+    entries: Box<[Entries]>,
     /// Per group: how many names with a home at or before it (in probe order) sit past
     /// it, saturating at [`SATURATED`].
     over: Box<[u8]>,
@@ -195,7 +235,7 @@ impl BlockMap {
         debug_assert_ne!(self.tags[at / GROUP].0[at % GROUP], 0);
         // SAFETY: callers pass only slots whose tag is not 0, and `put` writes a slot's
         // entry whenever it sets its tag (a table starts with every tag 0).
-        unsafe { self.entries[at].assume_init_ref() }
+        unsafe { self.entries[at / GROUP].0[at % GROUP].assume_init_ref() }
     }
 
     /// [`Self::at`], mutable.
@@ -203,7 +243,7 @@ impl BlockMap {
     fn at_mut(&mut self, at: usize) -> &mut Entry {
         debug_assert_ne!(self.tags[at / GROUP].0[at % GROUP], 0);
         // SAFETY: as in `at`.
-        unsafe { self.entries[at].assume_init_mut() }
+        unsafe { self.entries[at / GROUP].0[at % GROUP].assume_init_mut() }
     }
 
     /// Makes room for `additional` more names without moving the table, so that the
@@ -238,7 +278,11 @@ impl BlockMap {
     fn rebuild(&mut self, n: usize) {
         debug_assert!(n.is_power_of_two() && Self::limit(n) >= self.len);
         let old_tags = std::mem::replace(&mut self.tags, vec![Tags([0; GROUP]); n].into());
-        let old_entries = std::mem::replace(&mut self.entries, Box::new_uninit_slice(n * GROUP));
+        let hasher = NameHasher::get();
+        // SAFETY: `Entries` is an array of `MaybeUninit`, for which uninitialised memory is
+        // a valid value.
+        let fresh = unsafe { Box::<[Entries]>::new_uninit_slice(n).assume_init() };
+        let old_entries = std::mem::replace(&mut self.entries, fresh);
         self.over = vec![0; n].into_boxed_slice();
         self.len = 0;
         self.mask = n - 1;
@@ -247,11 +291,10 @@ impl BlockMap {
             let mut full = !t.matching(0);
             while full != 0 {
                 // SAFETY: the tag is not 0, so the entry was written (`put`).
-                let (k, v) = unsafe {
-                    old_entries[g * GROUP + full.trailing_zeros() as usize].assume_init()
-                };
+                let (k, v) =
+                    unsafe { old_entries[g].0[full.trailing_zeros() as usize].assume_init() };
                 full &= full - 1;
-                let h = name_hash(k);
+                let h = hasher.hash(k);
                 let home = self.home(h);
                 let at = self.vacant_from(home, h);
                 self.put(home, at, h, k, v);
@@ -270,10 +313,8 @@ impl BlockMap {
         }
         let g = self.home(hash);
         prefetch_line(self.tags.as_ptr().wrapping_add(g) as usize);
-        let e = self
-            .entries
-            .as_ptr()
-            .wrapping_add(g * GROUP + (hash as usize & (GROUP - 1))) as usize;
+        let start = (hash as usize & (GROUP - 1)) * std::mem::size_of::<Entry>();
+        let e = (self.entries.as_ptr().wrapping_add(g) as usize).wrapping_add(start);
         prefetch_line(e);
         prefetch_line(e.wrapping_add(64));
         prefetch_line(e.wrapping_add(128));
@@ -288,6 +329,7 @@ impl BlockMap {
     /// The slot of `key` (`hash == name_hash(key)`).
     #[inline(always)]
     fn find(&self, hash: u64, key: u64) -> Option<usize> {
+        debug_assert_eq!(hash, name_hash(key));
         if self.tags.is_empty() {
             return None;
         }
@@ -351,14 +393,16 @@ impl BlockMap {
         Probe::Vacant(home, at)
     }
 
-    /// The first empty slot from group `g` on. Needs an empty slot somewhere.
+    /// The first empty slot from group `g` on. Needs an empty slot somewhere (a table
+    /// below its limit has one).
     fn vacant_from(&self, mut g: usize, hash: u64) -> usize {
-        loop {
+        for _ in 0..self.tags.len() {
             if let Some(at) = self.vacant_in(g, hash) {
                 return at;
             }
             g = self.next(g);
         }
+        unreachable!("a table below its limit has an empty slot")
     }
 
     /// Puts `key` (`hash == name_hash(key)`, home group `home`) in the empty slot `at` and
@@ -374,8 +418,8 @@ impl BlockMap {
             }
             h = self.next(h);
         }
+        self.entries[g].0[i].write((key, val));
         self.tags[g].0[i] = tag_of(hash);
-        self.entries[at].write((key, val));
         self.len += 1;
     }
 
@@ -413,6 +457,7 @@ impl BlockMap {
     /// it with `val` and returns `Err(slot)`.
     #[inline(always)]
     fn entry(&mut self, hash: u64, key: u64, val: u64) -> Result<usize, usize> {
+        debug_assert_eq!(hash, name_hash(key));
         self.reserve(1);
         match self.probe(hash, key) {
             Probe::Found(at) => Ok(at),
@@ -505,7 +550,7 @@ impl BlockMap {
     /// no other entry, so slot hints of the others stay good.
     pub(crate) fn remove_where(&mut self, mut drop: impl FnMut(u64, u64) -> bool) -> usize {
         let before = self.len;
-        for at in 0..self.entries.len() {
+        for at in 0..self.entries.len() * GROUP {
             if self.tags[at / GROUP].0[at % GROUP] == 0 {
                 continue;
             }
@@ -694,8 +739,8 @@ mod tests {
         for k in 0..5_000u64 {
             m.set_h(name_hash(k), k, k);
         }
-        // The prefetch covers the entries from the start offset on, eight slots; most
-        // names sit there.
+        // The prefetch covers the entries from the start offset on; most names sit
+        // within four slots of it.
         let near = (0..5_000u64)
             .filter(|&k| {
                 let h = name_hash(k);

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
 use smallvec::SmallVec;
 
-use super::blockmap::{BlockMap, CLAIMED, PENDING, name_hash};
+use super::blockmap::{BlockMap, CLAIMED, NameHasher, PENDING};
 use super::garbage::{Reclaimer, Retired};
 use super::raw::children::ChildTable;
 use super::raw::edge::Edge;
@@ -388,7 +388,8 @@ impl ShardWriter {
                 // for well before its probe: the probes' cache misses overlap.
                 let mut hs = std::mem::take(&mut self.hashes);
                 hs.clear();
-                hs.extend(r.block_hashes.iter().map(|h| name_hash(h.0)));
+                let hasher = NameHasher::get();
+                hs.extend(r.block_hashes.iter().map(|h| hasher.hash(h.0)));
                 let map = &mut self.state(slot).blocks;
                 map.ready_prefetch(0);
                 for &hash in hs.iter().take(PREFETCH_AHEAD) {
@@ -556,7 +557,8 @@ impl ShardWriter {
         hs.clear();
         held.clear();
         buckets.clear();
-        hs.extend(blocks.iter().map(|b| name_hash(b.block_hash.0)));
+        let hasher = NameHasher::get();
+        hs.extend(blocks.iter().map(|b| hasher.hash(b.block_hash.0)));
         // The common case first: a chain none of whose names the worker has, which does
         // not run over blocks the worker already holds. Its place in the tree is planned
         // before the map is touched (read-only), so that one probe per name both checks
