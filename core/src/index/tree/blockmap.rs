@@ -8,8 +8,7 @@
 //!
 //! A table of `n` slots (a power of two) in groups of 16, like a Swiss table: one **tag**
 //! byte per slot (0 for an empty slot, else 8 bits of the name's hash, never 0), an entry
-//! `(name, value)` of 16 bytes per slot (a group's entries are four whole cache lines), and
-//! one **overflow count** byte per group. The
+//! `(name, value)` of 16 bytes per slot, and one **overflow count** byte per group. The
 //! tags, 1/16 of the table, are what a probe reads first: for a worker's 16 k names they
 //! are 32 KiB, which the cache keeps, so an insert reads no entry unless a tag matches
 //! (one slot in 255 of the full ones), and a removal reads the one entry it removes.
@@ -161,8 +160,11 @@ impl Tags {
 /// One entry: a name and its value.
 type Entry = (u64, u64);
 
-/// The entries of one group: four whole cache lines.
-#[repr(C, align(64))]
+/// The entries of one group, 256 bytes. Not aligned to cache lines: with
+/// `#[repr(align(64))]` glibc's aligned allocations raised the replay's RSS per cached block
+/// from 36.8 to 55.6 bytes (docs/BENCHMARKS.md), so a group's entries may straddle five
+/// lines.
+#[repr(C)]
 struct Entries([MaybeUninit<Entry>; GROUP]);
 
 impl std::fmt::Debug for Entries {
