@@ -426,15 +426,16 @@ fn walk<S: SlotSet>(
         active.remove_all(&short);
         let reached = (depth + m) as u32;
         active.for_each(|slot| scores[slot as usize] = reached);
-        short.for_each(|slot| {
-            let held = partials
-                .iter()
-                .filter(|&&(s, _)| s == slot)
-                .map(|&(_, c)| (c as usize).min(m))
-                .max()
-                .unwrap_or(0);
-            scores[slot as usize] = (depth + held) as u32;
-        });
+        // A short worker scores `depth` plus the most it holds by the partial list (one
+        // pass over the list, not one per worker: with many workers both are long).
+        short.for_each(|slot| scores[slot as usize] = depth as u32);
+        for &(slot, c) in &partials {
+            if short.contains(slot) {
+                let held = (depth + (c as usize).min(m)) as u32;
+                let score = &mut scores[slot as usize];
+                *score = (*score).max(held);
+            }
+        }
         let Some(c) = child else { return };
         std::mem::swap(&mut active, &mut keep);
         depth += m;
