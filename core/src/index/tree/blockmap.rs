@@ -36,8 +36,8 @@
 //!   counts.
 //!
 //! We used hashbrown's `HashTable` before, with the same prefetching. This table makes the
-//! replay of the shared log about 10 % faster (interleaved runs), although it runs 11 % more
-//! instructions (callgrind: 746 M against 673 M, mostly its plainer probe loop, its
+//! replay of the shared log about 10 % faster (interleaved runs), although it runs 14 % more
+//! instructions (callgrind: 767 M against 673 M, mostly its plainer probe loop, its
 //! rebuilds on growth and the keyed hash): its probes stall less. With 255 tag values instead of 128, half as
 //! many inserts compare a key on a false tag match (with hashbrown, one insert in eleven
 //! did, and that compare was the costliest instruction of the writer in a sampling
@@ -164,14 +164,9 @@ type Entry = (u64, u64);
 /// `#[repr(align(64))]` glibc's aligned allocations raised the replay's RSS per cached block
 /// from 36.8 to 55.6 bytes (docs/BENCHMARKS.md), so a group's entries may straddle five
 /// lines.
+#[derive(Debug)]
 #[repr(C)]
 struct Entries([MaybeUninit<Entry>; GROUP]);
-
-impl std::fmt::Debug for Entries {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Entries")
-    }
-}
 
 /// What a probe for an insert found.
 enum Probe {
@@ -322,10 +317,18 @@ impl BlockMap {
         prefetch_line(e.wrapping_add(128));
     }
 
-    /// [`Self::prefetch`] for a removal (the same lines: a removal reads nothing else).
+    /// The slot of `key` in group `g`, whose tags are compared with `t`.
     #[inline(always)]
-    pub(crate) fn prefetch_removal(&self, hash: u64) {
-        self.prefetch(hash);
+    fn match_in(&self, g: usize, t: u8, key: u64) -> Option<usize> {
+        let mut m = self.tags[g].matching(t);
+        while m != 0 {
+            let at = g * GROUP + m.trailing_zeros() as usize;
+            if self.at(at).0 == key {
+                return Some(at);
+            }
+            m &= m - 1;
+        }
+        None
     }
 
     /// The slot of `key` (`hash == name_hash(key)`).
@@ -338,13 +341,8 @@ impl BlockMap {
         let t = tag_of(hash);
         let mut g = self.home(hash);
         for _ in 0..self.tags.len() {
-            let mut m = self.tags[g].matching(t);
-            while m != 0 {
-                let at = g * GROUP + m.trailing_zeros() as usize;
-                if self.at(at).0 == key {
-                    return Some(at);
-                }
-                m &= m - 1;
+            if let Some(at) = self.match_in(g, t, key) {
+                return Some(at);
             }
             if self.over[g] == 0 {
                 return None;
@@ -375,13 +373,8 @@ impl BlockMap {
         let mut g = home;
         let mut vacant = None;
         for _ in 0..self.tags.len() {
-            let mut m = self.tags[g].matching(t);
-            while m != 0 {
-                let at = g * GROUP + m.trailing_zeros() as usize;
-                if self.at(at).0 == key {
-                    return Probe::Found(at);
-                }
-                m &= m - 1;
+            if let Some(at) = self.match_in(g, t, key) {
+                return Probe::Found(at);
             }
             if vacant.is_none() {
                 vacant = self.vacant_in(g, hash);
@@ -412,17 +405,25 @@ impl BlockMap {
     #[inline(always)]
     fn put(&mut self, home: usize, at: usize, hash: u64, key: u64, val: u64) {
         let (g, i) = (at / GROUP, at % GROUP);
+        self.count_past(home, g, true);
+        self.entries[g].0[i].write((key, val));
+        self.tags[g].0[i] = tag_of(hash);
+        self.len += 1;
+    }
+
+    /// Raises (`up`) or lowers the count of every group from `home` up to, not including,
+    /// `g`: the groups a name homed at `home` and sitting in `g` passed over. Saturated
+    /// counts stay.
+    #[inline(always)]
+    fn count_past(&mut self, home: usize, g: usize, up: bool) {
         let mut h = home;
         while h != g {
             let c = &mut self.over[h];
             if *c != SATURATED {
-                *c += 1;
+                *c = if up { *c + 1 } else { *c - 1 };
             }
             h = self.next(h);
         }
-        self.entries[g].0[i].write((key, val));
-        self.tags[g].0[i] = tag_of(hash);
-        self.len += 1;
     }
 
     /// Empties slot `at` (which holds a name with hash `hash`) and uncounts it; returns
@@ -430,14 +431,7 @@ impl BlockMap {
     #[inline(always)]
     fn take(&mut self, at: usize, hash: u64) -> u64 {
         let (g, i) = (at / GROUP, at % GROUP);
-        let mut h = self.home(hash);
-        while h != g {
-            let c = &mut self.over[h];
-            if *c != SATURATED {
-                *c -= 1;
-            }
-            h = self.next(h);
-        }
+        self.count_past(self.home(hash), g, false);
         let v = self.at(at).1;
         self.tags[g].0[i] = 0;
         self.len -= 1;

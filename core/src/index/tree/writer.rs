@@ -390,10 +390,9 @@ impl ShardWriter {
                 hs.clear();
                 let hasher = NameHasher::get();
                 hs.extend(r.block_hashes.iter().map(|h| hasher.hash(h.0)));
-                let map = &mut self.state(slot).blocks;
-                map.ready_prefetch(0);
+                let map = &self.state(slot).blocks;
                 for &hash in hs.iter().take(PREFETCH_AHEAD) {
-                    map.prefetch_removal(hash);
+                    map.prefetch(hash);
                 }
                 // Leaf-first eviction names a chain tail first: consecutive blocks of one
                 // edge, each the worker's last there. Such a run is dropped with one
@@ -403,7 +402,7 @@ impl ShardWriter {
                 for (i, (h, &hash)) in r.block_hashes.iter().zip(&hs).enumerate() {
                     let map = &mut self.state(slot).blocks;
                     if let Some(&ahead) = hs.get(i + PREFETCH_AHEAD) {
-                        map.prefetch_removal(ahead);
+                        map.prefetch(ahead);
                     }
                     let Some(loc) = map.remove_h(hash, h.0) else {
                         out.not_found += 1;
@@ -564,6 +563,8 @@ impl ShardWriter {
         // before the map is touched (read-only), so that one probe per name both checks
         // that the name is new and sets where it goes; the tree is then changed as
         // planned. Any name found takes the general path below, with the map as it was.
+        // Room for every name up front: no probe below (either path) moves the table, so
+        // the prefetches keep aiming at it.
         let map = &mut self.state(slot).blocks;
         map.ready_prefetch(blocks.len());
         for &h in hs.iter().take(PREFETCH_AHEAD) {
@@ -605,13 +606,9 @@ impl ShardWriter {
         // remembered here). Every name is claimed in that probe, so a name found claimed
         // was claimed by this very chain (claims never outlive their event): the chain
         // names that block twice.
+        // Room for every name was made above, so the claims below never move the table and
+        // the prefetches (the first ones issued above too) keep aiming at it.
         let map = &mut self.state(slot).blocks;
-        // Room for every name up front: the claims below then never move the table, so
-        // the prefetches keep aiming at it.
-        map.ready_prefetch(blocks.len());
-        for &h in hs.iter().take(PREFETCH_AHEAD) {
-            map.prefetch(h);
-        }
         let mut repeated = None;
         let mut any_held = false;
         let mut names_parent = false;
