@@ -14,6 +14,8 @@
 //! * [`policy`]: the cost of sending a request to each worker, and the choice (Dynamo's
 //!   formula, temperature sampling, a herd-resistant option).
 //! * [`slots`]: the slot manager, the router's prediction of each worker's load.
+//! * [`decision`]: the routing decision (lookup, loads, cost, choice, slot add) that every
+//!   front calls: the routing API, the harness, the proxy.
 //! * [`recovery`]: event-id bookkeeping (gaps, duplicates, restarts), the recovery protocol
 //!   between the router and workers' local indexers, and worker announcements.
 //! * [`snapshot`]: the snapshot file format (index state, last event ids, JetStream
@@ -27,6 +29,7 @@
 //! `kvrouter-io`.
 
 pub mod codec;
+pub mod decision;
 pub mod event;
 pub mod hash;
 pub mod index;

@@ -178,10 +178,16 @@ impl Slots {
         stale.len()
     }
 
-    /// Drops every request of a worker (it left the fleet).
+    /// Drops every request of a worker, all dp ranks (it left the fleet).
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.requests.retain(|_, r| r.worker.worker_id != worker_id);
         self.workers.retain(|w, _| w.worker_id != worker_id);
+    }
+
+    /// Drops every request of one (worker, dp rank).
+    pub fn remove(&mut self, worker: WorkerDp) {
+        self.requests.retain(|_, r| r.worker != worker);
+        self.workers.remove(&worker);
     }
 
     /// A worker's load.

@@ -4,12 +4,12 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use kvrouter_core::decision::{Decider, DeciderConfig, Route, Selection};
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
-use kvrouter_core::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TreeIndex};
-use kvrouter_core::policy::{CostConfig, Herd, Rng, choose, score};
-use kvrouter_core::slots::Slots;
+use kvrouter_core::index::{ApproxConfig, Index, OverlapScores, TreeIndex};
+use kvrouter_core::policy::{CostConfig, Herd};
 use kvrouter_core::worker::WorkerDp;
 
 use super::engine::{Engine, EngineConfig, EngineRequest, StepOutcome};
@@ -136,18 +136,13 @@ struct Record {
     tokens: u32,
 }
 
+/// The router of one policy: the production decision ([`Decider`]) over the index the
+/// engines' events feed, plus what the report measures about it.
 struct Router {
-    policy: Policy,
-    cost: CostConfig,
+    decider: Decider,
     index: TreeIndex,
-    approx: ApproxIndex,
-    slots: Slots,
-    rng: Rng,
-    next: usize,
     workers: Vec<WorkerDp>,
-    block_size: u32,
-    scratch: OverlapScores,
-    /// Scratch for the index's overlaps when the policy did not look them up.
+    /// Scratch for the index's overlaps when the decision did not look there.
     probe: OverlapScores,
     /// Sum over routed requests of the longest cached prefix any worker held (by the
     /// events-fed index) when the request was routed, in blocks.
@@ -157,6 +152,42 @@ struct Router {
 }
 
 impl Router {
+    fn new(policy: Policy, cfg: &SimConfig, workers: Vec<WorkerDp>) -> Self {
+        let cost = match policy {
+            Policy::Dynamo => CostConfig::dynamo(),
+            Policy::KvAwareP2c => CostConfig {
+                herd: Herd::PowerOfTwo { k: 3 },
+                ..cfg.cost
+            },
+            _ => cfg.cost,
+        };
+        let selection = match policy {
+            Policy::RoundRobin => Selection::RoundRobin,
+            Policy::Random => Selection::Random,
+            Policy::LeastLoaded => Selection::LeastLoaded,
+            Policy::KvAware | Policy::KvAwareP2c | Policy::Dynamo | Policy::Approximate => {
+                Selection::Cost
+            }
+        };
+        let decider = Decider::new(DeciderConfig {
+            cost,
+            selection,
+            block_size: cfg.engine.block_size,
+            approximate: (policy == Policy::Approximate).then(ApproxConfig::default),
+            stale_after_ms: u64::MAX / 4,
+            seed: cfg.seed,
+            id_prefix: 0,
+        });
+        Router {
+            decider,
+            index: TreeIndex::new(1),
+            workers,
+            probe: OverlapScores::new(),
+            best_blocks: 0,
+            routed_blocks: 0,
+        }
+    }
+
     fn route(
         &mut self,
         id: usize,
@@ -165,45 +196,28 @@ impl Router {
         tokens: u64,
         now_ms: u64,
     ) -> usize {
-        let n = self.workers.len();
-        let pick = match self.policy {
-            Policy::RoundRobin => {
-                self.next += 1;
-                (self.next - 1) % n
-            }
-            Policy::Random => self.rng.below(n),
-            Policy::LeastLoaded => {
-                let loads: Vec<u64> = self
-                    .workers
-                    .iter()
-                    .map(|&w| self.slots.load(w).active_requests)
-                    .collect();
-                let min = *loads.iter().min().unwrap_or(&0);
-                let ties: Vec<usize> = (0..n).filter(|&i| loads[i] == min).collect();
-                ties[self.rng.below(ties.len())]
-            }
-            Policy::KvAware | Policy::KvAwareP2c | Policy::Dynamo | Policy::Approximate => {
-                if self.policy == Policy::Approximate {
-                    self.approx
-                        .find_matches_into(locals, now_ms, &mut self.scratch);
-                } else {
-                    self.index.find_matches_into(locals, &mut self.scratch);
-                }
-                let cands = self.slots.candidates(&self.workers, seqs, &self.scratch);
-                let scored = score(&self.cost, tokens, self.block_size, &cands);
-                choose(&self.cost, &scored, &mut self.rng).unwrap_or(0)
-            }
+        let request_id = id.to_string();
+        let route = Route {
+            locals,
+            tokens,
+            request_id: Some(&request_id),
+            explain: false,
         };
-        // What the cache offered at this moment, whatever the policy did with it.
-        let index_fed = matches!(
-            self.policy,
-            Policy::KvAware | Policy::KvAwareP2c | Policy::Dynamo
+        let decision = self.decider.decide(
+            Some(&self.index),
+            &self.workers,
+            route,
+            seqs.to_vec(),
+            now_ms,
         );
-        let offered = if index_fed {
-            &self.scratch
-        } else {
+        // Ids are the trace's line numbers and workers are never empty: it always decides.
+        let pick = decision.map_or(0, |d| d.position);
+        // What the cache offered at this moment, whatever the policy did with it.
+        let offered = if self.decider.is_approximate() {
             self.index.find_matches_into(locals, &mut self.probe);
             &self.probe
+        } else {
+            self.decider.last_overlaps()
         };
         self.best_blocks += self
             .workers
@@ -212,16 +226,6 @@ impl Router {
             .max()
             .unwrap_or(0) as u64;
         self.routed_blocks += seqs.len() as u64;
-        let w = self.workers[pick];
-        let overlap = self.scratch.get(w) as u64;
-        let prefill = tokens.saturating_sub(overlap * self.block_size as u64);
-        let _ = self
-            .slots
-            .add(&id.to_string(), w, seqs.to_vec(), prefill, now_ms);
-        if self.policy == Policy::Approximate {
-            self.approx.record(w, locals, now_ms);
-        }
-        self.scratch.clear();
         pick
     }
 }
@@ -255,28 +259,7 @@ fn run(
         .iter()
         .map(|w| Engine::new(w.worker_id, cfg.engine))
         .collect();
-    let mut router = Router {
-        policy,
-        cost: match policy {
-            Policy::Dynamo => CostConfig::dynamo(),
-            Policy::KvAwareP2c => CostConfig {
-                herd: Herd::PowerOfTwo { k: 3 },
-                ..cfg.cost
-            },
-            _ => cfg.cost,
-        },
-        index: TreeIndex::new(1),
-        approx: ApproxIndex::new(ApproxConfig::default()),
-        slots: Slots::new(u64::MAX / 4),
-        rng: Rng::new(cfg.seed),
-        next: 0,
-        workers: workers.clone(),
-        block_size: bs,
-        scratch: OverlapScores::new(),
-        probe: OverlapScores::new(),
-        best_blocks: 0,
-        routed_blocks: 0,
-    };
+    let mut router = Router::new(policy, cfg, workers.clone());
     let mut heap: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
     let mut seq = 0u64;
     let at = |ms: f64| (ms * 1000.0) as u64; // µs keys
@@ -337,7 +320,7 @@ fn run(
                         rec.first = Some(now);
                         rec.last = now;
                         rec.tokens = 1;
-                        let _ = router.slots.mark_prefill_done(&id.to_string(), now as u64);
+                        let _ = router.decider.first_token(&id.to_string(), now as u64);
                     }
                     for id in out.tokens {
                         let rec = records[id].as_mut().expect("routed");
@@ -350,7 +333,7 @@ fn run(
                         let rec = records[id].as_mut().expect("routed");
                         rec.finish = Some(now);
                         last_finish = last_finish.max(now);
-                        let _ = router.slots.free(&id.to_string());
+                        let _ = router.decider.free(&id.to_string());
                         completed += 1;
                         if completed.is_multiple_of(256) {
                             progress(completed);

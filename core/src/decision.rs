@@ -1,0 +1,527 @@
+//! The routing decision: the one composition of lookup, load prediction, cost and choice
+//! that every front calls (the HTTP routing API, the benchmark harness, the proxy).
+//!
+//! ```text
+//! find_matches ─▶ candidates (slot manager) ─▶ score ─▶ choose ─▶ slot add ─▶ approximate record
+//!   (index, or         (loads, potential          (cost     (lowest, softmax,   (the prediction
+//!    the router's       decode blocks)             terms)    power of two)       starts here)
+//!    own decisions)
+//! ```
+//!
+//! A [`Decider`] owns what a decision changes: the slot manager ([`Slots`]), the
+//! approximate-mode index ([`ApproxIndex`], when the router sees no KV events), the seeded
+//! generator and the request counter. What it only reads is passed in: the KV index (any
+//! [`Lookup`]), the candidate workers and the time. Each front keeps its own plumbing
+//! (parsing, transport, metrics) and nothing of the decision, so that the figures the
+//! harness publishes are the production decision's.
+//!
+//! [`Selection`] says how a worker is picked once the candidates are scored: by the cost
+//! function ([`Selection::Cost`], the router's mode; its weights say whether it is ours or
+//! Dynamo's formula), or by one of the cache-blind baselines the harness compares against
+//! (round robin, random, least loaded), which a deployment may also choose. Every
+//! selection looks the request up, so that its predicted prefill charge and the reported
+//! overlap are the cache's, whatever the selection did with them.
+//!
+//! Pure and clock-free: times are arguments, the generator is seeded.
+
+use crate::codec::replica::{ActiveSequenceEvent, ActiveSequenceEventData};
+use crate::hash::LocalBlockHash;
+use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TreeReader};
+use crate::policy::{CostConfig, Rng, Scored, choose, score};
+use crate::slots::{SlotError, Slots};
+use crate::worker::{WorkerDp, WorkerId};
+
+/// Where a decision reads which blocks each worker caches.
+pub trait Lookup {
+    /// Writes, per worker, how many leading blocks of `query` it holds into `out`.
+    fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores);
+}
+
+impl Lookup for TreeReader {
+    fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
+        TreeReader::find_matches_into(self, query, out);
+    }
+}
+
+impl<I: Index> Lookup for I {
+    fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
+        Index::find_matches_into(self, query, out);
+    }
+}
+
+/// How a worker is picked among the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Selection {
+    /// The cost function ([`crate::policy`]) with the decider's weights.
+    #[default]
+    Cost,
+    /// Request `i` to candidate `i mod n` (cache-blind).
+    RoundRobin,
+    /// Uniformly at random (cache-blind).
+    Random,
+    /// Fewest active requests as the slot manager sees them, ties at random (cache-blind).
+    LeastLoaded,
+}
+
+/// Settings of a [`Decider`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeciderConfig {
+    /// Cost weights (used by [`Selection::Cost`]).
+    pub cost: CostConfig,
+    /// How a worker is picked.
+    pub selection: Selection,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// `Some`: approximate mode (no KV events): the decider records its own decisions in an
+    /// index with these settings and looks requests up there instead of in the KV index.
+    pub approximate: Option<ApproxConfig>,
+    /// Requests not heard of for this long are released, ms.
+    pub stale_after_ms: u64,
+    /// Seed of tie-breaking and sampling.
+    pub seed: u64,
+    /// Prefix of the request ids the decider makes up (`{prefix:x}-{n}`): the router id,
+    /// so that replicas never make up the same id.
+    pub id_prefix: u64,
+}
+
+impl Default for DeciderConfig {
+    fn default() -> Self {
+        Self {
+            cost: CostConfig::default(),
+            selection: Selection::Cost,
+            block_size: 64,
+            approximate: None,
+            stale_after_ms: 600_000,
+            seed: 0,
+            id_prefix: 0,
+        }
+    }
+}
+
+/// One request to route.
+#[derive(Debug, Clone, Copy)]
+pub struct Route<'a> {
+    /// Its local block hashes.
+    pub locals: &'a [LocalBlockHash],
+    /// Its prompt tokens.
+    pub tokens: u64,
+    /// Its id (`None`: the decider makes one up).
+    pub request_id: Option<&'a str>,
+    /// Keep every candidate's cost terms in the decision.
+    pub explain: bool,
+}
+
+/// What a decision chose.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    /// The worker.
+    pub worker: WorkerDp,
+    /// Its position in the candidates given to [`Decider::decide`].
+    pub position: usize,
+    /// Leading request blocks it caches (as the decision saw them).
+    pub overlap_blocks: u32,
+    /// The request's id (given or made up), now active in the slot manager.
+    pub request_id: String,
+    /// Prompt tokens charged as its prefill until its first token.
+    pub prefill_tokens: u64,
+    /// Every candidate's cost terms, with [`Route::explain`] and [`Selection::Cost`].
+    pub scored: Option<Vec<Scored>>,
+}
+
+/// Why no decision was made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecideError {
+    /// No candidate worker.
+    #[error("no workers known yet")]
+    NoWorkers,
+    /// The request id is already active.
+    #[error(transparent)]
+    Slot(#[from] SlotError),
+}
+
+/// See the [module docs](self).
+#[derive(Debug)]
+pub struct Decider {
+    cfg: DeciderConfig,
+    slots: Slots,
+    approx: Option<ApproxIndex>,
+    rng: Rng,
+    next_request: u64,
+    round_robin: usize,
+    /// The overlaps of the last decision (reused: no allocation per decision).
+    overlaps: OverlapScores,
+}
+
+impl Decider {
+    /// A decider with no active requests.
+    pub fn new(cfg: DeciderConfig) -> Self {
+        Self {
+            slots: Slots::new(cfg.stale_after_ms),
+            approx: cfg.approximate.map(ApproxIndex::new),
+            rng: Rng::new(cfg.seed),
+            next_request: 0,
+            round_robin: 0,
+            overlaps: OverlapScores::new(),
+            cfg,
+        }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &DeciderConfig {
+        &self.cfg
+    }
+
+    /// Whether it runs in approximate mode (its own decisions stand for KV events).
+    pub fn is_approximate(&self) -> bool {
+        self.approx.is_some()
+    }
+
+    /// The slot manager (loads, active requests).
+    pub fn slots(&self) -> &Slots {
+        &self.slots
+    }
+
+    /// Per worker, how many leading blocks of `locals` it caches: from `index`, or in
+    /// approximate mode from the decider's own records.
+    pub fn overlaps(
+        &mut self,
+        index: Option<&dyn Lookup>,
+        locals: &[LocalBlockHash],
+        now_ms: u64,
+    ) -> &OverlapScores {
+        self.look_up(index, locals, now_ms);
+        &self.overlaps
+    }
+
+    fn look_up(&mut self, index: Option<&dyn Lookup>, locals: &[LocalBlockHash], now_ms: u64) {
+        match (&self.approx, index) {
+            (Some(approx), _) => approx.find_matches_into(locals, now_ms, &mut self.overlaps),
+            (None, Some(index)) => index.find_matches_into(locals, &mut self.overlaps),
+            (None, None) => self.overlaps.clear(),
+        }
+    }
+
+    /// The overlaps the last decision (or [`Self::overlaps`]) saw.
+    pub fn last_overlaps(&self) -> &OverlapScores {
+        &self.overlaps
+    }
+
+    /// Routes one request among `workers` (sorted, distinct): looks it up, scores and picks
+    /// a worker, and makes the request active there. `blocks` are the request's sequence
+    /// hashes (distinct), which the slot manager keeps until the request is freed.
+    pub fn decide(
+        &mut self,
+        index: Option<&dyn Lookup>,
+        workers: &[WorkerDp],
+        route: Route<'_>,
+        blocks: Vec<u64>,
+        now_ms: u64,
+    ) -> Result<Decision, DecideError> {
+        if workers.is_empty() {
+            return Err(DecideError::NoWorkers);
+        }
+        if let Some(id) = route.request_id
+            && self.slots.worker_of(id).is_some()
+        {
+            return Err(SlotError::DuplicateRequest(id.into()).into());
+        }
+        self.look_up(index, route.locals, now_ms);
+        let mut scored = None;
+        let position = match self.cfg.selection {
+            Selection::Cost => {
+                let candidates = self.slots.candidates(workers, &blocks, &self.overlaps);
+                let s = score(
+                    &self.cfg.cost,
+                    route.tokens,
+                    self.cfg.block_size,
+                    &candidates,
+                );
+                // `s` is not empty (one per worker), so `choose` always picks.
+                let i = choose(&self.cfg.cost, &s, &mut self.rng).unwrap_or(0);
+                if route.explain {
+                    scored = Some(s);
+                }
+                i
+            }
+            Selection::RoundRobin => {
+                self.round_robin += 1;
+                (self.round_robin - 1) % workers.len()
+            }
+            Selection::Random => self.rng.below(workers.len()),
+            Selection::LeastLoaded => {
+                let load = |w: &WorkerDp| self.slots.load(*w).active_requests;
+                let min = workers.iter().map(load).min().unwrap_or(0);
+                let ties: Vec<usize> = (0..workers.len())
+                    .filter(|&i| load(&workers[i]) == min)
+                    .collect();
+                ties[self.rng.below(ties.len())]
+            }
+        };
+        let worker = workers[position];
+        let overlap_blocks = self.overlaps.get(worker);
+        let cached_tokens = u64::from(overlap_blocks) * u64::from(self.cfg.block_size);
+        let prefill_tokens = route.tokens.saturating_sub(cached_tokens);
+        let request_id = match route.request_id {
+            Some(id) => id.to_owned(),
+            None => {
+                self.next_request += 1;
+                format!("{:x}-{}", self.cfg.id_prefix, self.next_request)
+            }
+        };
+        self.slots
+            .add(&request_id, worker, blocks, prefill_tokens, now_ms)?;
+        if let Some(approx) = &mut self.approx {
+            approx.record(worker, route.locals, now_ms);
+        }
+        Ok(Decision {
+            worker,
+            position,
+            overlap_blocks,
+            request_id,
+            prefill_tokens,
+            scored,
+        })
+    }
+
+    /// The request produced its first token (its prefill charge is released).
+    pub fn first_token(&mut self, request_id: &str, now_ms: u64) -> Result<WorkerDp, SlotError> {
+        self.slots.mark_prefill_done(request_id, now_ms)
+    }
+
+    /// The request finished: everything it held is released.
+    pub fn free(&mut self, request_id: &str) -> Result<WorkerDp, SlotError> {
+        self.slots.free(request_id)
+    }
+
+    /// Releases stale requests and expired approximate records; returns how many requests.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        if let Some(approx) = &mut self.approx {
+            approx.expire(now_ms);
+        }
+        self.slots.expire(now_ms)
+    }
+
+    /// A worker left the fleet: its requests are released and its approximate records
+    /// forgotten; it is never chosen again unless it is a candidate again.
+    pub fn remove_worker(&mut self, worker_id: WorkerId) {
+        self.slots.remove_worker(worker_id);
+        if let Some(approx) = &mut self.approx {
+            approx.remove_worker(worker_id);
+        }
+    }
+
+    /// One (worker, dp rank) left the fleet (the others of the worker stay).
+    pub fn remove(&mut self, worker: WorkerDp) {
+        self.slots.remove(worker);
+    }
+
+    /// Applies another replica's slot change (its own messages are the caller's to skip).
+    /// Returns the worker it concerned, or why it did not apply.
+    pub fn apply_replica(
+        &mut self,
+        e: ActiveSequenceEvent,
+        now_ms: u64,
+    ) -> Result<WorkerDp, SlotError> {
+        match e.data {
+            ActiveSequenceEventData::AddRequest {
+                token_sequence,
+                track_prefill_tokens,
+                prefill_load_hint,
+                ..
+            } => {
+                let prefill = if track_prefill_tokens {
+                    prefill_load_hint.map_or(0, |h| h.initial_effective_prefill_tokens)
+                } else {
+                    0
+                };
+                self.slots
+                    .add(
+                        &e.request_id,
+                        e.worker,
+                        token_sequence.unwrap_or_default(),
+                        prefill,
+                        now_ms,
+                    )
+                    .map(|()| e.worker)
+            }
+            ActiveSequenceEventData::MarkPrefillCompleted => {
+                self.slots.mark_prefill_done(&e.request_id, now_ms)
+            }
+            ActiveSequenceEventData::Free => self.slots.free(&e.request_id),
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::event::{KvCacheEvent, RouterEvent};
+    use crate::hash::{SequenceBlockHash, sequence_hashes};
+    use crate::index::ReferenceIndex;
+    use crate::policy::Herd;
+
+    fn locals(v: &[u64]) -> Vec<LocalBlockHash> {
+        v.iter().copied().map(LocalBlockHash).collect()
+    }
+
+    fn seqs(l: &[LocalBlockHash]) -> Vec<u64> {
+        sequence_hashes(l).into_iter().map(|s| s.0).collect()
+    }
+
+    /// An index where worker 2 holds the first three blocks of `[1, 2, 3, 4]`.
+    fn index() -> ReferenceIndex {
+        let mut idx = ReferenceIndex::new();
+        let l = locals(&[1, 2, 3]);
+        let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
+            l.iter().copied().zip(sequence_hashes(&l)).collect();
+        idx.apply(RouterEvent::new(
+            2,
+            KvCacheEvent::stored(0, 0, None, blocks),
+        ))
+        .unwrap();
+        idx
+    }
+
+    const W: [WorkerDp; 3] = [
+        WorkerDp::new(1, 0),
+        WorkerDp::new(2, 0),
+        WorkerDp::new(3, 0),
+    ];
+
+    fn route<'a>(l: &'a [LocalBlockHash], id: Option<&'a str>) -> Route<'a> {
+        Route {
+            locals: l,
+            tokens: l.len() as u64 * 16,
+            request_id: id,
+            explain: true,
+        }
+    }
+
+    #[test]
+    fn the_cost_selection_takes_the_cache_and_charges_what_is_left() {
+        let idx = index();
+        let mut d = Decider::new(DeciderConfig {
+            block_size: 16,
+            ..Default::default()
+        });
+        let l = locals(&[1, 2, 3, 4]);
+        let out = d
+            .decide(Some(&idx), &W, route(&l, Some("a")), seqs(&l), 0)
+            .unwrap();
+        assert_eq!((out.worker, out.position, out.overlap_blocks), (W[1], 1, 3));
+        assert_eq!(out.prefill_tokens, 16);
+        assert_eq!(out.scored.as_ref().map(Vec::len), Some(3));
+        assert_eq!(d.slots().load(W[1]).active_prefill_tokens, 16);
+        // The same id again is refused and changes nothing.
+        let again = d.decide(Some(&idx), &W, route(&l, Some("a")), seqs(&l), 0);
+        assert!(matches!(again, Err(DecideError::Slot(_))));
+        assert_eq!(d.slots().active_requests(), 1);
+        assert_eq!(d.first_token("a", 1), Ok(W[1]));
+        assert_eq!(d.slots().load(W[1]).active_prefill_tokens, 0);
+        assert_eq!(d.free("a"), Ok(W[1]));
+        assert_eq!(
+            d.decide(Some(&idx), &[], route(&l, None), seqs(&l), 0)
+                .unwrap_err(),
+            DecideError::NoWorkers
+        );
+    }
+
+    #[test]
+    fn made_up_ids_carry_the_prefix_and_count() {
+        let mut d = Decider::new(DeciderConfig {
+            id_prefix: 0xab,
+            ..Default::default()
+        });
+        let l = locals(&[9]);
+        let a = d.decide(None, &W, route(&l, None), seqs(&l), 0).unwrap();
+        let b = d.decide(None, &W, route(&l, None), seqs(&l), 0).unwrap();
+        assert_eq!(
+            (a.request_id.as_str(), b.request_id.as_str()),
+            ("ab-1", "ab-2")
+        );
+    }
+
+    #[test]
+    fn baselines_ignore_the_cache_but_report_it() {
+        let idx = index();
+        let l = locals(&[1, 2, 3, 4]);
+        let mut rr = Decider::new(DeciderConfig {
+            selection: Selection::RoundRobin,
+            block_size: 16,
+            ..Default::default()
+        });
+        let picks: Vec<usize> = (0..4)
+            .map(|_| {
+                rr.decide(Some(&idx), &W, route(&l, None), seqs(&l), 0)
+                    .unwrap()
+                    .position
+            })
+            .collect();
+        assert_eq!(picks, [0, 1, 2, 0]);
+        // What worker 2 caches is charged as cached there.
+        assert_eq!(rr.slots().load(W[1]).active_prefill_tokens, 16);
+        let mut ll = Decider::new(DeciderConfig {
+            selection: Selection::LeastLoaded,
+            ..Default::default()
+        });
+        let mut seen = [0; 3];
+        for _ in 0..9 {
+            seen[ll
+                .decide(Some(&idx), &W, route(&l, None), seqs(&l), 0)
+                .unwrap()
+                .position] += 1;
+        }
+        assert_eq!(seen, [3, 3, 3]);
+        let mut rnd = Decider::new(DeciderConfig {
+            selection: Selection::Random,
+            ..Default::default()
+        });
+        let out = rnd
+            .decide(Some(&idx), &W, route(&l, None), seqs(&l), 0)
+            .unwrap();
+        assert!(out.scored.is_none());
+    }
+
+    #[test]
+    fn approximate_mode_records_its_own_decisions_until_they_expire() {
+        let mut d = Decider::new(DeciderConfig {
+            approximate: Some(ApproxConfig {
+                ttl_ms: 100,
+                ..Default::default()
+            }),
+            stale_after_ms: 500,
+            cost: CostConfig {
+                herd: Herd::Off,
+                ..CostConfig::default()
+            },
+            ..Default::default()
+        });
+        assert!(d.is_approximate());
+        let l = locals(&[5, 6]);
+        let first = d.decide(None, &W, route(&l, None), seqs(&l), 0).unwrap();
+        d.free(&first.request_id).unwrap();
+        // The next identical request follows the first: the decider remembers it.
+        assert_eq!(d.overlaps(None, &l, 50).get(first.worker), 2);
+        let next = d.decide(None, &W, route(&l, None), seqs(&l), 50).unwrap();
+        assert_eq!((next.worker, next.overlap_blocks), (first.worker, 2));
+        d.expire(1000);
+        assert_eq!(d.overlaps(None, &l, 1000).get(first.worker), 0);
+        assert_eq!(d.slots().active_requests(), 0);
+    }
+
+    #[test]
+    fn a_removed_worker_loses_its_requests_and_records() {
+        let mut d = Decider::new(DeciderConfig {
+            approximate: Some(ApproxConfig::default()),
+            ..Default::default()
+        });
+        let l = locals(&[5]);
+        let out = d.decide(None, &W, route(&l, None), seqs(&l), 0).unwrap();
+        d.remove_worker(out.worker.worker_id);
+        assert_eq!(d.slots().active_requests(), 0);
+        assert_eq!(d.overlaps(None, &l, 1).get(out.worker), 0);
+        assert!(d.free(&out.request_id).is_err());
+    }
+}
