@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use kvrouter_core::event::RouterEvent;
 use kvrouter_core::index::Index;
-use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig};
+use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig, SnapshotError};
 use kvrouter_io::nats::Client;
-use kvrouter_io::snapshot::SnapshotStore;
+use kvrouter_io::snapshot::{SnapshotIoError, SnapshotStore};
 use kvrouter_tests::fleet::*;
 use kvrouter_tests::{NatsServer, on_glommio};
 
@@ -143,7 +143,16 @@ fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
     let blocker = snaps.join(format!(".kvrouter.snap.tmp.{}", std::process::id()));
     std::fs::create_dir_all(&blocker).unwrap();
     let err = ingest.snapshot_now().unwrap_err();
-    assert!(err.contains("kvrouter.snap.tmp"), "{err}");
+    // A typed error that keeps the file system's answer as its source.
+    let SnapshotError::Write(SnapshotIoError::Io { path: at, .. }) = &err else {
+        panic!("{err:?}");
+    };
+    assert!(
+        at.to_string_lossy().contains("kvrouter.snap.tmp"),
+        "{err:?}"
+    );
+    let chain = kvrouter_io::Chain(&err).to_string();
+    assert!(chain.contains("kvrouter.snap.tmp"), "{chain}");
     assert_eq!(ingest.stats().snapshot_failures, 1);
     assert_eq!(
         std::fs::read(&path).unwrap(),

@@ -121,7 +121,7 @@ pub fn run(
             .map(Duration::from_micros),
         ..RouterConfig::default()
     };
-    let api = router::start(cfg, Some(view), None, 512 << 10).map_err(|e| anyhow::anyhow!(e))?;
+    let api = router::start(cfg, Some(view), None, 512 << 10)?;
     let addr = api.addr();
     let bodies: Vec<Vec<u8>> = log
         .queries()

@@ -114,14 +114,15 @@ impl Default for CostConfig {
 impl CostConfig {
     /// Checks the weights: `overlap_score_credit` in [0, 1], every other weight finite and
     /// at least 0; the error names the first bad one.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), CostError> {
         if !(0.0..=1.0).contains(&self.overlap_score_credit) {
-            return Err(format!(
-                "overlap_score_credit must be in [0, 1], not {}",
-                self.overlap_score_credit
-            ));
+            return Err(CostError {
+                name: "overlap_score_credit",
+                value: self.overlap_score_credit,
+                rule: "in [0, 1]",
+            });
         }
-        for (name, x) in [
+        for (name, value) in [
             ("prefill_load_scale", self.prefill_load_scale),
             ("new_block_weight", self.new_block_weight),
             ("host_cache_hit_weight", self.host_cache_hit_weight),
@@ -129,8 +130,12 @@ impl CostConfig {
             ("shared_cache_multiplier", self.shared_cache_multiplier),
             ("temperature", self.temperature),
         ] {
-            if !(x.is_finite() && x >= 0.0) {
-                return Err(format!("{name} must be finite and at least 0, not {x}"));
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(CostError {
+                    name,
+                    value,
+                    rule: "finite and at least 0",
+                });
             }
         }
         Ok(())
@@ -152,6 +157,18 @@ impl CostConfig {
             herd: Herd::Off,
         }
     }
+}
+
+/// A cost weight out of its range.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("{name} must be {rule}, not {value}")]
+pub struct CostError {
+    /// The weight's name (its `CostConfig` field).
+    pub name: &'static str,
+    /// Its value.
+    pub value: f64,
+    /// What it must be.
+    pub rule: &'static str,
 }
 
 /// What the router knows about one candidate for one request.

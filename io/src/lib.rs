@@ -10,7 +10,8 @@
 //! * [`worker`]: the worker-side library: `KvPublisher` and its local indexer.
 //! * [`http`]: a small HTTP/1.1 server on glommio's io_uring sockets.
 //! * [`snapshot`]: snapshot files (atomic writes, mmap loads, full validation).
-//! * [`router`]: the routing API (cost function, slot manager, replica sync).
+//! * [`router`]: the routing API (every decision is `kvrouter_core::decision`'s; endpoints,
+//!   input parsing, metrics, replica sync).
 //!
 //! **Architecture Invariant:** `io` depends on `core`, never the other way round.
 
@@ -21,3 +22,20 @@ pub mod nats;
 pub mod router;
 pub mod snapshot;
 pub mod worker;
+
+/// Displays an error with its whole chain of sources (`outer: inner: innermost`), for log
+/// lines: the error types here keep each cause as a `source`, not in their own message.
+#[derive(Debug, Clone, Copy)]
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(e) = cause {
+            write!(f, ": {e}")?;
+            cause = e.source();
+        }
+        Ok(())
+    }
+}

@@ -20,19 +20,21 @@ pub const FILE_NAME: &str = "kvrouter.snap";
 #[non_exhaustive]
 pub enum SnapshotIoError {
     /// The file system refused (with the path concerned).
-    #[error("{path}: {error}")]
+    #[error("{}", path.display())]
     Io {
         /// The file or directory.
         path: PathBuf,
         /// What failed.
+        #[source]
         error: std::io::Error,
     },
     /// The file is not a valid snapshot.
-    #[error("{path}: {error}")]
+    #[error("{}: not a valid snapshot", path.display())]
     Format {
         /// The file.
         path: PathBuf,
         /// What is wrong with it.
+        #[source]
         error: SnapshotError,
     },
 }

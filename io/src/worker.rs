@@ -183,7 +183,10 @@ impl KvPublisher {
                 v
             },
         };
-        let body = serde_json::to_vec(&a).map_err(|e| NatsError::Io(e.to_string()))?;
+        let body = serde_json::to_vec(&a).map_err(|e| NatsError::Encode {
+            what: "an announcement",
+            reason: e.to_string(),
+        })?;
         self.client
             .publish(&self.opts.subjects.subject(TOPIC_WORKERS), &body)
             .await
@@ -292,7 +295,10 @@ impl KvPublisher {
         if drop {
             return Ok(());
         }
-        let payload = kv::encode(&events).map_err(|e| NatsError::Io(e.to_string()))?;
+        let payload = kv::encode(&events).map_err(|e| NatsError::Encode {
+            what: "kv events",
+            reason: e.to_string(),
+        })?;
         let env = Envelope {
             publisher_id: self.publisher_id,
             sequence: seq,
@@ -312,7 +318,8 @@ impl KvPublisher {
             {
                 Ok(_) => return Ok(()),
                 Err(e) if started.elapsed() > Duration::from_secs(60) => {
-                    return Err(NatsError::Io(format!("durable publish: {e}")));
+                    tracing::warn!(error = %e, "durable publish not confirmed for 60 s: giving up");
+                    return Err(NatsError::Timeout);
                 }
                 Err(JsError::Nats(NatsError::Closed)) => return Err(NatsError::Closed),
                 Err(e) => {
@@ -384,7 +391,10 @@ impl KvPublisher {
                 events,
             }
             .encode()
-            .map_err(|e| NatsError::Io(e.to_string()))?;
+            .map_err(|e| NatsError::Encode {
+                what: "a recovery reply",
+                reason: e.to_string(),
+            })?;
             return self.client.publish(reply, &body).await;
         }
         // A full dump of the requested rank (or all ranks), in chunks.
@@ -415,7 +425,10 @@ impl KvPublisher {
                 events,
             }
             .encode()
-            .map_err(|e| NatsError::Io(e.to_string()))?;
+            .map_err(|e| NatsError::Encode {
+                what: "a recovery reply",
+                reason: e.to_string(),
+            })?;
             self.client.publish(reply, &body).await?;
         }
         Ok(())

@@ -121,7 +121,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             ..CostConfig::default()
         },
     };
-    cfg.cost.check().map_err(anyhow::Error::msg).context(
+    cfg.cost.check().context(
         "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --temperature)",
     )?;
     let span_s = trace.last().map_or(0, |r| r.timestamp) as f64 / 1000.0 / args.speed;

@@ -313,9 +313,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         max_active_prefill_tokens: cfg.max_active_prefill_tokens,
         ..CostConfig::default()
     };
-    cost.check()
-        .map_err(anyhow::Error::msg)
-        .context("invalid cost weights")?;
+    cost.check().context("invalid cost weights")?;
     if cfg.durable_kv_events && !cfg.kv_events {
         anyhow::bail!("--durable-kv-events needs --kv-events true");
     }
@@ -421,7 +419,6 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         cfg.cpus.first().copied(),
         512 << 10,
     )
-    .map_err(|e| anyhow::anyhow!(e))
     .context("starting the routing API")?;
     println!("kvrouter serving on http://{}", api.addr());
     // Stop cleanly on SIGTERM / SIGINT: the API first, then the ingest (which writes its

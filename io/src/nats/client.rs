@@ -28,6 +28,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_lite::future;
@@ -40,9 +41,20 @@ use super::proto::{self, ConnectInfo, Msg, Parser, ProtoError, ServerInfo, Serve
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum NatsError {
-    /// A socket error.
-    #[error("i/o: {0}")]
-    Io(String),
+    /// A socket error (the operating system's error is the source).
+    #[error("i/o error")]
+    Io(#[source] IoError),
+    /// The connection ended: closed by the server, during the handshake, or dropped.
+    #[error("connection {0}")]
+    Disconnected(&'static str),
+    /// A value that could not be encoded into a message.
+    #[error("cannot encode {what}")]
+    Encode {
+        /// What it was.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// The server sent bytes we cannot parse.
     #[error("protocol: {0}")]
     Proto(#[from] ProtoError),
@@ -79,9 +91,46 @@ pub enum NatsError {
 
 impl From<std::io::Error> for NatsError {
     fn from(e: std::io::Error) -> Self {
-        NatsError::Io(e.to_string())
+        NatsError::Io(IoError(Arc::new(e)))
     }
 }
+
+/// An operating-system error that can be cloned (errors fan out to every waiter of a
+/// connection) and compared (by kind).
+#[derive(Debug, Clone)]
+pub struct IoError(Arc<std::io::Error>);
+
+impl IoError {
+    /// The error's kind.
+    pub fn kind(&self) -> std::io::ErrorKind {
+        self.0.kind()
+    }
+
+    /// The error itself.
+    pub fn get_ref(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for IoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for IoError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for IoError {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind() == other.kind()
+    }
+}
+
+impl Eq for IoError {}
 
 /// Connection settings.
 #[derive(Debug, Clone)]
@@ -443,7 +492,7 @@ impl Client {
         let opts = &self.0.opts;
         let mut stream = TcpStream::connect_timeout(addr, opts.connect_timeout)
             .await
-            .map_err(|e| NatsError::Io(e.to_string()))?;
+            .map_err(std::io::Error::from)?;
         let _ = stream.set_nodelay(true);
         let mut parser = Parser::new(opts.max_payload);
         let mut buf = vec![0u8; 16 << 10];
@@ -462,7 +511,7 @@ impl Client {
                 }
                 let n = stream.read(&mut buf).await?;
                 if n == 0 {
-                    return Err(NatsError::Io("connection closed during handshake".into()));
+                    return Err(NatsError::Disconnected("closed during the handshake"));
                 }
                 parser.push(&buf[..n]);
             };
@@ -495,7 +544,7 @@ impl Client {
                 }
                 let n = stream.read(&mut buf).await?;
                 if n == 0 {
-                    return Err(NatsError::Io("connection closed during handshake".into()));
+                    return Err(NatsError::Disconnected("closed during the handshake"));
                 }
                 parser.push(&buf[..n]);
             }
@@ -588,9 +637,9 @@ impl Client {
             let mut buf = vec![0u8; 256 << 10];
             loop {
                 let n = match rd.read(&mut buf).await {
-                    Ok(0) => return NatsError::Io("connection closed by server".into()),
+                    Ok(0) => return NatsError::Disconnected("closed by the server"),
                     Ok(n) => n,
-                    Err(e) => return NatsError::Io(e.to_string()),
+                    Err(e) => return e.into(),
                 };
                 parser.push(&buf[..n]);
                 loop {
@@ -630,7 +679,7 @@ impl Client {
                 .await;
                 if let Err(e) = res {
                     // `f` goes back in front of `out` as it drops.
-                    return NatsError::Io(e.to_string());
+                    return e.into();
                 }
                 f.through = true;
                 let _ = self.0.drained.try_send(());
@@ -638,7 +687,7 @@ impl Client {
         };
         let killer = async {
             let _ = self.0.kill_rx.recv_async().await;
-            NatsError::Io("connection dropped by client".into())
+            NatsError::Disconnected("dropped by the client")
         };
         future::or(future::or(reader, writer), killer).await
     }

@@ -10,5 +10,5 @@ pub mod client;
 pub mod jetstream;
 pub use kvrouter_core::nats as proto;
 
-pub use client::{Client, NatsError, Options, ReplyStream, Stats, Subscription};
+pub use client::{Client, IoError, NatsError, Options, ReplyStream, Stats, Subscription};
 pub use proto::{Msg, ServerInfo};

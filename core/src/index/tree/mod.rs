@@ -100,11 +100,15 @@ use crate::hash::{LocalBlockHash, local_hashes_as_u64};
 use crate::worker::{WorkerDp, WorkerId};
 
 /// Which shard owns each worker. A worker gets a shard the first time it is asked for —
-/// the shard that then has the fewest workers, the lowest such on ties (round-robin by
+/// the shard that then has the fewest live workers, the lowest such on ties (round-robin by
 /// arrival) — and keeps it for the map's lifetime, so that every event, dp rank and
-/// removal of one worker goes to one writer. A hash of the id cannot balance a handful of
-/// workers (the one we used put 9 of the ids 0–15 on one of two shards, and that shard's
-/// writer set the pace); counting can. The map keeps one entry per worker id it has seen.
+/// removal of one worker goes to one writer, even across a removal and a return (a removed
+/// worker's events may still be queued at its old writer). A hash of the id cannot balance a
+/// handful of workers (the one we used put 9 of the ids 0–15 on one of two shards, and that
+/// shard's writer set the pace); counting can. Counts are of **live** workers: whoever
+/// removes a worker [`releases`](ShardMap::release) it, so that churn (restarts come back
+/// under new ids) does not leave "fewest workers" meaning "fewest ever seen". The map keeps
+/// one entry per worker id it has seen.
 ///
 /// One per [`TreeIndex`] ([`TreeIndex::shard_map`]); whoever routes events to its writers
 /// (the ingest, a benchmark) asks it, as [`TreeIndex::apply`] does.
@@ -116,8 +120,9 @@ pub struct ShardMap {
 
 #[derive(Debug, Default)]
 struct ShardMapInner {
-    of: AHashMap<WorkerId, u32>,
-    /// Workers per shard.
+    /// Each worker's shard, and whether it is live (counted).
+    of: AHashMap<WorkerId, (u32, bool)>,
+    /// Live workers per shard.
     counts: Vec<u32>,
 }
 
@@ -139,29 +144,68 @@ impl ShardMap {
         self.shards
     }
 
-    /// The shard of `worker_id`, assigned now if it has none.
+    /// The shard of `worker_id`, assigned now if it has none; a released worker counts as
+    /// live again.
     pub fn shard_of(&self, worker_id: WorkerId) -> usize {
-        if let Some(s) = self.get(worker_id) {
-            return s;
+        if self.shards == 1 {
+            return 0;
+        }
+        {
+            let g = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(&(s, true)) = g.of.get(&worker_id) {
+                return s as usize;
+            }
         }
         // Nothing under the lock can panic; a poisoned lock still holds a whole map.
         let mut g = self.inner.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(&s) = g.of.get(&worker_id) {
-            return s as usize;
+        let g = &mut *g;
+        match g.of.get_mut(&worker_id) {
+            Some((s, live)) => {
+                if !*live {
+                    *live = true;
+                    g.counts[*s as usize] += 1;
+                }
+                *s as usize
+            }
+            None => {
+                let s = (0..self.shards).min_by_key(|&i| g.counts[i]).unwrap_or(0);
+                g.counts[s] += 1;
+                g.of.insert(worker_id, (s as u32, true));
+                s
+            }
         }
-        let s = (0..self.shards).min_by_key(|&i| g.counts[i]).unwrap_or(0);
-        g.counts[s] += 1;
-        g.of.insert(worker_id, s as u32);
-        s
     }
 
-    /// The shard of `worker_id` if it has one (every worker has shard 0 of one shard).
+    /// The shard of `worker_id` if it has one, live or released (every worker has shard 0
+    /// of one shard).
     pub fn get(&self, worker_id: WorkerId) -> Option<usize> {
         if self.shards == 1 {
             return Some(0);
         }
         let g = self.inner.read().unwrap_or_else(PoisonError::into_inner);
-        g.of.get(&worker_id).map(|&s| s as usize)
+        g.of.get(&worker_id).map(|&(s, _)| s as usize)
+    }
+
+    /// The worker was removed: it no longer counts toward its shard (it keeps the shard,
+    /// should it come back).
+    pub fn release(&self, worker_id: WorkerId) {
+        if self.shards == 1 {
+            return;
+        }
+        let mut g = self.inner.write().unwrap_or_else(PoisonError::into_inner);
+        let g = &mut *g;
+        if let Some((s, live)) = g.of.get_mut(&worker_id)
+            && *live
+        {
+            *live = false;
+            g.counts[*s as usize] -= 1;
+        }
+    }
+
+    /// Live workers per shard.
+    pub fn live_counts(&self) -> Vec<u32> {
+        let g = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+        g.counts.clone()
     }
 }
 
@@ -170,26 +214,6 @@ impl ShardWriter {
     pub fn apply_event(&mut self, event: &RouterEvent) -> Result<ApplyOutcome, ApplyError> {
         let guard = crossbeam_epoch::pin();
         self.apply_in(event, &guard)
-    }
-
-    /// Applies a batch of events under one epoch pin; returns the outcomes merged and the
-    /// first error.
-    pub fn apply_batch<'a>(
-        &mut self,
-        events: impl IntoIterator<Item = &'a RouterEvent>,
-    ) -> (ApplyOutcome, Option<ApplyError>) {
-        let guard = crossbeam_epoch::pin();
-        let mut total = ApplyOutcome::default();
-        let mut first_err = None;
-        for e in events {
-            match self.apply_in(e, &guard) {
-                Ok(o) => total.merge(o),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        (total, first_err)
     }
 
     /// Drops every block of one (worker, dp rank) of this shard.
@@ -399,6 +423,32 @@ mod tests {
         assert_eq!(map.shard_of(99), 0);
         assert_eq!(ShardMap::new(1).get(5), Some(0));
         assert_eq!(ShardMap::new(0).shards(), 1);
+    }
+
+    #[test]
+    fn shard_map_counts_live_workers_so_churn_stays_balanced() {
+        let map = ShardMap::new(2);
+        assert_eq!((map.shard_of(1), map.shard_of(2)), (0, 1));
+        // Shard 0's workers keep leaving and coming back under new ids; shard 1 keeps its
+        // one. Counting every id ever seen would send every newcomer to shard 1.
+        let mut on_zero = 1;
+        for id in 10..20 {
+            map.release(on_zero);
+            assert_eq!(map.live_counts(), [0, 1]);
+            assert_eq!(map.shard_of(id), 0, "id {id}");
+            on_zero = id;
+        }
+        assert_eq!(map.live_counts(), [1, 1]);
+        // A released worker that comes back keeps its shard and counts again; releasing
+        // twice counts once.
+        map.release(2);
+        map.release(2);
+        assert_eq!(map.live_counts(), [1, 0]);
+        assert_eq!(map.get(2), Some(1));
+        assert_eq!(map.shard_of(2), 1);
+        assert_eq!(map.live_counts(), [1, 1]);
+        map.release(99);
+        assert_eq!(map.live_counts(), [1, 1]);
     }
 
     #[test]

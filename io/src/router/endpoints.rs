@@ -1,0 +1,394 @@
+//! The API executor's state and its endpoints: each request is parsed, answered from the
+//! state and the index, and turned into a response, all on the API executor (no locks:
+//! one executor owns the [`State`]).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kvrouter_core::codec::replica::{
+    ActiveSequenceEvent, ActiveSequenceEventData, PrefillLoadHint,
+};
+use kvrouter_core::decision::{DecideError, Decider, Lookup, Route};
+use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes, sequence_hashes};
+use kvrouter_core::worker::WorkerDp;
+use serde::Serialize;
+
+use super::RouterConfig;
+use super::input::{RouteInput, route_input};
+use super::metrics::{self, ApiCounters, DecisionTimes};
+use crate::http::{Request, Response};
+use crate::ingest::IngestView;
+
+#[derive(Debug, Serialize)]
+struct RouteOutput {
+    worker_id: u64,
+    dp_rank: u32,
+    overlap_blocks: u32,
+    request_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    candidates: Option<Vec<kvrouter_core::policy::Scored>>,
+}
+
+#[derive(Debug, Serialize)]
+struct OverlapEntry {
+    worker_id: u64,
+    dp_rank: u32,
+    blocks: u32,
+}
+
+/// Everything the API executor owns.
+pub(super) struct State {
+    cfg: RouterConfig,
+    ingest: Option<IngestView>,
+    decider: Decider,
+    start: Instant,
+    pub(super) counters: ApiCounters,
+    times: DecisionTimes,
+    replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
+    /// The candidates from the static list and the ingest, sorted, as of the ingest's
+    /// membership `known_at`.
+    known: Vec<WorkerDp>,
+    known_at: Option<u64>,
+    /// The ingest's share of `known` (sorted): a worker that leaves it was removed by the
+    /// ingest, and leaves routing with it.
+    from_ingest: Vec<WorkerDp>,
+}
+
+impl State {
+    pub(super) fn new(
+        cfg: RouterConfig,
+        ingest: Option<IngestView>,
+        decider: Decider,
+        replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
+    ) -> Self {
+        State {
+            cfg,
+            ingest,
+            decider,
+            start: Instant::now(),
+            counters: ApiCounters::default(),
+            times: DecisionTimes::default(),
+            replica_tx,
+            known: Vec::new(),
+            known_at: None,
+            from_ingest: Vec::new(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// Releases stale requests (once a second).
+    pub(super) fn expire(&mut self) {
+        let now = self.now_ms();
+        let n = self.decider.expire(now);
+        self.counters.expired += n as u64;
+    }
+
+    fn locals(&self, input: &RouteInput) -> Result<(Vec<LocalBlockHash>, u64), Response> {
+        match (&input.token_ids, &input.block_hashes) {
+            (Some(tokens), None) => {
+                let opts = HashOptions {
+                    lora_name: input.lora_name.as_deref(),
+                    ..Default::default()
+                };
+                Ok((
+                    local_block_hashes(tokens, self.cfg.block_size, &opts),
+                    tokens.len() as u64,
+                ))
+            }
+            (None, Some(hashes)) => {
+                let locals: Vec<LocalBlockHash> =
+                    hashes.iter().map(|h| LocalBlockHash(h.0)).collect();
+                let tokens = locals.len() as u64 * self.cfg.block_size as u64;
+                Ok((locals, tokens))
+            }
+            _ => Err(Response::error(
+                400,
+                "give exactly one of token_ids or block_hashes",
+            )),
+        }
+    }
+
+    /// Every worker a request may go to, sorted: the static ones and the ingest's (and,
+    /// without an ingest, those the slot manager learnt of from other replicas). The first
+    /// two are rebuilt only when the ingest's membership counter moves (not on every route:
+    /// that takes each shard's summary lock); a worker the ingest no longer lists was
+    /// removed (it left, restarted under a new id, fell silent) and its slots go with it,
+    /// so it is never chosen again.
+    fn known_workers(&mut self) -> Vec<WorkerDp> {
+        let at = self.ingest.as_ref().map_or(0, IngestView::membership);
+        if self.known_at != Some(at) {
+            let mut now: Vec<WorkerDp> = self
+                .ingest
+                .as_ref()
+                .map(|i| i.workers().into_iter().map(|s| s.worker).collect())
+                .unwrap_or_default();
+            now.sort_unstable();
+            for w in std::mem::take(&mut self.from_ingest) {
+                if now.binary_search(&w).is_err() && !self.cfg.static_workers.contains(&w) {
+                    tracing::info!(worker = %w, "worker removed by the ingest: no longer routed to");
+                    self.decider.remove(w);
+                    self.counters.workers_removed += 1;
+                }
+            }
+            let mut v: Vec<WorkerDp> = self.cfg.static_workers.clone();
+            v.extend_from_slice(&now);
+            v.sort_unstable();
+            v.dedup();
+            self.known = v;
+            self.from_ingest = now;
+            self.known_at = Some(at);
+        }
+        let mut out = self.known.clone();
+        if self.ingest.is_none() {
+            let before = out.len();
+            // The slot manager's workers are distinct, so those added here are too.
+            for (w, _) in self.decider.slots().workers() {
+                if self.known.binary_search(&w).is_err() {
+                    out.push(w);
+                }
+            }
+            if out.len() != before {
+                out.sort_unstable();
+            }
+        }
+        out
+    }
+
+    /// The KV index, when the router reads one.
+    fn index(ingest: &Option<IngestView>, kv_events: bool) -> Option<&dyn Lookup> {
+        match ingest {
+            Some(i) if kv_events => Some(i.reader() as &dyn Lookup),
+            _ => None,
+        }
+    }
+
+    fn route(&mut self, input: RouteInput) -> Response {
+        let (locals, tokens) = match self.locals(&input) {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let seqs: Vec<u64> = sequence_hashes(&locals).into_iter().map(|s| s.0).collect();
+        let workers = self.known_workers();
+        // The replicas need their own copy of the blocks; without replica sync, no copy.
+        let replicated = self.replica_tx.is_some().then(|| seqs.clone());
+        let now = self.now_ms();
+        let route = Route {
+            locals: &locals,
+            tokens,
+            request_id: input.request_id.as_deref(),
+            explain: input.explain,
+        };
+        let index = Self::index(&self.ingest, self.cfg.kv_events);
+        let d = match self.decider.decide(index, &workers, route, seqs, now) {
+            Ok(d) => d,
+            Err(DecideError::NoWorkers) => return Response::error(503, "no workers known yet"),
+            Err(e) => return Response::error(409, e.to_string()),
+        };
+        if let Some(seqs) = replicated {
+            self.replicate(
+                &d.request_id,
+                d.worker,
+                input.lora_name,
+                ActiveSequenceEventData::AddRequest {
+                    token_sequence: Some(seqs),
+                    track_prefill_tokens: true,
+                    expected_output_tokens: None,
+                    prefill_load_hint: Some(PrefillLoadHint {
+                        initial_effective_prefill_tokens: d.prefill_tokens,
+                        expected_prefill_duration: None,
+                    }),
+                },
+            );
+        }
+        self.counters.routes += 1;
+        let out = RouteOutput {
+            worker_id: d.worker.worker_id,
+            dp_rank: d.worker.dp_rank,
+            overlap_blocks: d.overlap_blocks,
+            request_id: d.request_id,
+            candidates: d.scored,
+        };
+        Response::json(200, serde_json::to_vec(&out).unwrap_or_default())
+    }
+
+    fn overlaps(&mut self, input: RouteInput) -> Response {
+        let locals = match self.locals(&input) {
+            Ok((locals, _)) => locals,
+            Err(r) => return r,
+        };
+        self.counters.overlaps += 1;
+        let now = self.now_ms();
+        let index = Self::index(&self.ingest, self.cfg.kv_events);
+        let list: Vec<OverlapEntry> = self
+            .decider
+            .overlaps(index, &locals, now)
+            .iter()
+            .map(|(w, blocks)| OverlapEntry {
+                worker_id: w.worker_id,
+                dp_rank: w.dp_rank,
+                blocks,
+            })
+            .collect();
+        Response::json(
+            200,
+            serde_json::to_vec(&serde_json::json!({ "overlaps": list })).unwrap_or_default(),
+        )
+    }
+
+    fn replicate(
+        &mut self,
+        request_id: &str,
+        worker: WorkerDp,
+        lora_name: Option<String>,
+        data: ActiveSequenceEventData,
+    ) {
+        if let Some(tx) = &self.replica_tx {
+            let e = ActiveSequenceEvent {
+                request_id: request_id.into(),
+                worker,
+                data,
+                router_id: self.cfg.router_id,
+                lora_name,
+            };
+            match tx.try_send(e) {
+                Ok(()) => self.counters.replica_out += 1,
+                Err(_) => self.counters.replica_dropped += 1,
+            }
+        }
+    }
+
+    /// Applies another replica's slot change (our own are skipped).
+    pub(super) fn apply_replica(&mut self, e: ActiveSequenceEvent) {
+        if e.router_id == self.cfg.router_id {
+            return;
+        }
+        self.counters.replica_in += 1;
+        let now = self.now_ms();
+        let _ = self.decider.apply_replica(e, now);
+    }
+
+    fn workers_json(&mut self) -> Response {
+        let summaries: HashMap<WorkerDp, _> = self
+            .ingest
+            .as_ref()
+            .map(|i| i.workers().into_iter().map(|s| (s.worker, s)).collect())
+            .unwrap_or_default();
+        let rows: Vec<serde_json::Value> = self
+            .known_workers()
+            .into_iter()
+            .map(|w| {
+                let s = summaries.get(&w);
+                let load = self.decider.slots().load(w);
+                serde_json::json!({
+                    "worker_id": w.worker_id,
+                    "dp_rank": w.dp_rank,
+                    "cached_blocks": s.map_or(0, |s| s.blocks),
+                    "last_event_id": s.and_then(|s| s.last_event_id),
+                    "active_blocks": load.active_blocks,
+                    "active_prefill_tokens": load.active_prefill_tokens,
+                    "active_requests": load.active_requests,
+                })
+            })
+            .collect();
+        let body = serde_json::json!({ "workers": rows });
+        Response::json(200, serde_json::to_vec(&body).unwrap_or_default())
+    }
+
+    fn healthy(&self) -> bool {
+        self.ingest.as_ref().is_none_or(IngestView::is_ready)
+    }
+
+    fn authorized(&self, req: &Request) -> bool {
+        match &self.cfg.auth_token {
+            None => true,
+            Some(t) => req
+                .header("authorization")
+                .is_some_and(|h| h.strip_prefix("Bearer ").is_some_and(|v| v == t)),
+        }
+    }
+
+    /// Answers one request; counts client errors and times successful routes.
+    pub(super) fn handle(&mut self, req: Request) -> Response {
+        let started = Instant::now();
+        // Only routing decisions count in the decision-time quantiles (not frees, metrics
+        // scrapes or errors, which would flatter them).
+        let is_route = req.method == "POST" && req.path.trim_end_matches('/') == "/v1/route";
+        let resp = self.dispatch(req);
+        if (400..500).contains(&resp.status) {
+            self.counters.client_errors += 1;
+        }
+        if is_route && resp.status == 200 {
+            self.times.record(started.elapsed().as_nanos() as u64);
+        }
+        resp
+    }
+
+    fn dispatch(&mut self, req: Request) -> Response {
+        let path = req.path.trim_end_matches('/');
+        let mutating = req.method == "POST" && path != "/v1/overlaps";
+        if mutating && !self.authorized(&req) {
+            return Response::error(401, "missing or wrong bearer token");
+        }
+        match (req.method.as_str(), path) {
+            ("POST", "/v1/route") => match route_input(&req) {
+                Ok(input) => self.route(input),
+                Err(e) => Response::error(400, e),
+            },
+            ("POST", "/v1/overlaps") => match route_input(&req) {
+                Ok(input) => self.overlaps(input),
+                Err(e) => Response::error(400, e),
+            },
+            ("GET", "/v1/workers") => self.workers_json(),
+            ("GET", "/metrics") => Response::text(
+                200,
+                metrics::render(
+                    &self.counters,
+                    &self.times,
+                    self.decider.slots(),
+                    self.ingest.as_ref(),
+                ),
+            ),
+            ("GET", "/healthz") => {
+                if self.healthy() {
+                    Response::json(200, br#"{"status":"ok"}"#.to_vec())
+                } else {
+                    Response::error(503, "NATS subscriptions not active")
+                }
+            }
+            ("POST", p) if p.starts_with("/v1/requests/") => {
+                let rest = &p["/v1/requests/".len()..];
+                let Some((id, action)) = rest.rsplit_once('/') else {
+                    return Response::error(404, "no such endpoint");
+                };
+                self.request_update(id, action)
+            }
+            (_, "/v1/route" | "/v1/overlaps" | "/v1/workers" | "/metrics" | "/healthz") => {
+                Response::error(405, "method not allowed")
+            }
+            _ => Response::error(404, "no such endpoint"),
+        }
+    }
+
+    /// `first_token` or `free` of one request.
+    fn request_update(&mut self, id: &str, action: &str) -> Response {
+        let now = self.now_ms();
+        let (result, data) = match action {
+            "first_token" => (
+                self.decider.first_token(id, now),
+                ActiveSequenceEventData::MarkPrefillCompleted,
+            ),
+            "free" => (self.decider.free(id), ActiveSequenceEventData::Free),
+            _ => return Response::error(404, "no such endpoint"),
+        };
+        match result {
+            Ok(worker) => {
+                self.replicate(id, worker, None, data);
+                Response::json(200, br#"{"ok":true}"#.to_vec())
+            }
+            Err(e) => Response::error(404, e.to_string()),
+        }
+    }
+}

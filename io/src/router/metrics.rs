@@ -1,0 +1,149 @@
+//! The routing API's counters and decision-time ring, and their Prometheus rendering.
+
+use std::fmt::Write as _;
+
+use kvrouter_core::slots::Slots;
+
+use crate::ingest::IngestView;
+
+/// Counters of the API (one executor owns them: plain integers).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct ApiCounters {
+    pub(super) routes: u64,
+    pub(super) overlaps: u64,
+    pub(super) client_errors: u64,
+    pub(super) replica_in: u64,
+    pub(super) replica_out: u64,
+    pub(super) replica_dropped: u64,
+    pub(super) expired: u64,
+    pub(super) workers_removed: u64,
+}
+
+/// The last [`DecisionTimes::CAP`] decision times, ns.
+#[derive(Debug, Default)]
+pub(super) struct DecisionTimes {
+    ring: Vec<u64>,
+    pos: usize,
+}
+
+impl DecisionTimes {
+    const CAP: usize = 4096;
+
+    pub(super) fn record(&mut self, ns: u64) {
+        if self.ring.len() < Self::CAP {
+            self.ring.push(ns);
+        } else {
+            self.ring[self.pos] = ns;
+            self.pos = (self.pos + 1) % Self::CAP;
+        }
+    }
+
+    /// Quantiles `ps` of the recorded times, seconds (0 when none).
+    fn quantiles<const N: usize>(&self, ps: [f64; N]) -> [f64; N] {
+        let mut v = self.ring.clone();
+        v.sort_unstable();
+        ps.map(|p| {
+            if v.is_empty() {
+                0.0
+            } else {
+                v[((v.len() - 1) as f64 * p) as usize] as f64 / 1e9
+            }
+        })
+    }
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, v: impl std::fmt::Display) {
+    let _ = write!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+    );
+}
+
+/// Prometheus text of the API's state and, when there is one, the ingest's.
+pub(super) fn render(
+    c: &ApiCounters,
+    times: &DecisionTimes,
+    slots: &Slots,
+    ingest: Option<&IngestView>,
+) -> String {
+    let mut out = String::new();
+    for (name, help, v) in [
+        (
+            "kvrouter_router_routes_total",
+            "Routing decisions made.",
+            c.routes,
+        ),
+        (
+            "kvrouter_router_overlap_queries_total",
+            "Overlap queries answered.",
+            c.overlaps,
+        ),
+        (
+            "kvrouter_router_client_errors_total",
+            "Requests answered with a 4xx.",
+            c.client_errors,
+        ),
+        (
+            "kvrouter_replica_events_in_total",
+            "Replica-sync events applied from other routers.",
+            c.replica_in,
+        ),
+        (
+            "kvrouter_replica_events_out_total",
+            "Replica-sync events handed to the publisher.",
+            c.replica_out,
+        ),
+        (
+            "kvrouter_replica_events_dropped_total",
+            "Replica-sync events not sent (the publisher's queue was full).",
+            c.replica_dropped,
+        ),
+        (
+            "kvrouter_slots_expired_total",
+            "Requests released after going stale.",
+            c.expired,
+        ),
+        (
+            "kvrouter_router_workers_removed_total",
+            "Workers dropped from routing after the ingest removed them.",
+            c.workers_removed,
+        ),
+    ] {
+        metric(&mut out, name, "counter", help, v);
+    }
+    metric(
+        &mut out,
+        "kvrouter_slots_active_requests",
+        "gauge",
+        "Active requests tracked by the slot manager.",
+        slots.active_requests(),
+    );
+    out.push_str("# HELP kvrouter_router_decision_seconds Routing decision time (recent decisions).\n# TYPE kvrouter_router_decision_seconds summary\n");
+    let ps = [0.5, 0.99, 0.999];
+    for (p, q) in ps.into_iter().zip(times.quantiles(ps)) {
+        let _ = writeln!(
+            out,
+            "kvrouter_router_decision_seconds{{quantile=\"{p}\"}} {q}"
+        );
+    }
+    if let Some(ingest) = ingest {
+        for (k, v) in ingest.stats().fields() {
+            let _ = write!(
+                out,
+                "# TYPE kvrouter_ingest_{k}_total counter\nkvrouter_ingest_{k}_total {v}\n"
+            );
+        }
+        let workers = ingest.workers();
+        let _ = write!(
+            out,
+            "# TYPE kvrouter_index_workers gauge\nkvrouter_index_workers {}\n",
+            workers.len()
+        );
+        let _ = write!(
+            out,
+            "# TYPE kvrouter_index_blocks gauge\nkvrouter_index_blocks {}\n",
+            workers.iter().map(|s| s.blocks).sum::<usize>()
+        );
+    }
+    out
+}
