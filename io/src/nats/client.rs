@@ -28,160 +28,15 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_lite::future;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::TcpStream;
 
-use super::proto::{self, ConnectInfo, Msg, Parser, ProtoError, ServerInfo, ServerOp, encode};
-
-/// Why a NATS operation failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum NatsError {
-    /// A socket error (the operating system's error is the source).
-    #[error("i/o error")]
-    Io(#[source] IoError),
-    /// The connection ended: closed by the server, during the handshake, or dropped.
-    #[error("connection {0}")]
-    Disconnected(&'static str),
-    /// A value that could not be encoded into a message.
-    #[error("cannot encode {what}")]
-    Encode {
-        /// What it was.
-        what: &'static str,
-        /// Why.
-        reason: String,
-    },
-    /// The server sent bytes we cannot parse.
-    #[error("protocol: {0}")]
-    Proto(#[from] ProtoError),
-    /// The server reported an error (`-ERR`), e.g. an authorization violation.
-    #[error("server error: {0}")]
-    Server(String),
-    /// A payload larger than the server accepts.
-    #[error("payload of {size} bytes exceeds the server's max_payload of {max}")]
-    PayloadTooLarge {
-        /// The payload size.
-        size: usize,
-        /// The server's limit.
-        max: usize,
-    },
-    /// An invalid subject.
-    #[error("invalid subject {0:?}")]
-    InvalidSubject(String),
-    /// No reply in time.
-    #[error("timed out")]
-    Timeout,
-    /// A request that nobody is subscribed to answer.
-    #[error("no responders")]
-    NoResponders,
-    /// The connection is not (yet, or any more) established.
-    #[error("not connected")]
-    NotConnected,
-    /// The client was closed.
-    #[error("client closed")]
-    Closed,
-    /// A malformed server URL.
-    #[error("bad url {0:?}")]
-    BadUrl(String),
-}
-
-impl From<std::io::Error> for NatsError {
-    fn from(e: std::io::Error) -> Self {
-        NatsError::Io(IoError(Arc::new(e)))
-    }
-}
-
-/// An operating-system error that can be cloned (errors fan out to every waiter of a
-/// connection) and compared (by kind).
-#[derive(Debug, Clone)]
-pub struct IoError(Arc<std::io::Error>);
-
-impl IoError {
-    /// The error's kind.
-    pub fn kind(&self) -> std::io::ErrorKind {
-        self.0.kind()
-    }
-
-    /// The error itself.
-    pub fn get_ref(&self) -> &std::io::Error {
-        &self.0
-    }
-}
-
-impl std::fmt::Display for IoError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for IoError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
-    }
-}
-
-impl PartialEq for IoError {
-    fn eq(&self, other: &Self) -> bool {
-        self.kind() == other.kind()
-    }
-}
-
-impl Eq for IoError {}
-
-/// Connection settings.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// Server URLs (`nats://host:port`, `host:port`), tried in turn.
-    pub servers: Vec<String>,
-    /// Token authentication.
-    pub token: Option<String>,
-    /// User for user/password authentication.
-    pub user: Option<String>,
-    /// Password for user/password authentication.
-    pub password: Option<String>,
-    /// Client name shown by the server.
-    pub name: String,
-    /// First reconnect delay; doubles up to `reconnect_max`.
-    pub reconnect_base: Duration,
-    /// Longest reconnect delay.
-    pub reconnect_max: Duration,
-    /// Give up connecting after this many consecutive failures (`None`: never).
-    pub max_reconnects: Option<u32>,
-    /// Connect and handshake timeout.
-    pub connect_timeout: Duration,
-    /// Interval of keep-alive PINGs; two unanswered ones drop the connection.
-    pub ping_interval: Duration,
-    /// Bytes the write buffer may hold before `publish` waits.
-    pub max_pending_bytes: usize,
-    /// Messages buffered per subscription before new ones are dropped.
-    pub subscription_capacity: usize,
-    /// Largest payload accepted from the server (until INFO tells us its own limit).
-    pub max_payload: usize,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Self {
-            servers: vec!["nats://127.0.0.1:4222".into()],
-            token: None,
-            user: None,
-            password: None,
-            name: "kvrouter".into(),
-            reconnect_base: Duration::from_millis(20),
-            reconnect_max: Duration::from_secs(2),
-            max_reconnects: None,
-            connect_timeout: Duration::from_secs(2),
-            ping_interval: Duration::from_secs(10),
-            max_pending_bytes: 8 << 20,
-            subscription_capacity: 1 << 16,
-            max_payload: 64 << 20,
-        }
-    }
-}
+use super::error::NatsError;
+use super::options::{Options, ServerUrl};
+use super::proto::{self, ConnectInfo, Msg, Parser, ServerInfo, ServerOp, encode};
 
 /// Counters of one client.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -316,11 +171,6 @@ impl Subscription {
         self.rx.try_recv().ok()
     }
 
-    /// The channel the messages arrive on (to hand to another task).
-    pub fn receiver(&self) -> flume::Receiver<Msg> {
-        self.rx.clone()
-    }
-
     /// The subscription id.
     pub fn sid(&self) -> u64 {
         self.sid
@@ -347,23 +197,6 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn host_port(url: &str) -> Result<String, NatsError> {
-    let rest = url
-        .strip_prefix("nats://")
-        .or_else(|| url.strip_prefix("tcp://"))
-        .unwrap_or(url);
-    let rest = rest.rsplit('@').next().unwrap_or(rest);
-    let rest = rest.trim_end_matches('/');
-    if rest.is_empty() {
-        return Err(NatsError::BadUrl(url.into()));
-    }
-    Ok(if rest.contains(':') {
-        rest.to_owned()
-    } else {
-        format!("{rest}:4222")
-    })
-}
-
 fn random_token() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -382,7 +215,7 @@ impl Client {
     /// executor.
     pub async fn connect(opts: Options) -> Result<Client, NatsError> {
         for s in &opts.servers {
-            host_port(s)?;
+            ServerUrl::parse(s)?;
         }
         // Notifications: one pending signal is enough, extra ones are dropped.
         let (wake_writer, wake_rx) = flume::bounded(1);
@@ -431,11 +264,6 @@ impl Client {
         self.0.state.borrow().connected
     }
 
-    /// The server's INFO of the current connection.
-    pub fn server_info(&self) -> Option<ServerInfo> {
-        self.0.state.borrow().info.clone()
-    }
-
     /// The server's `max_payload` (or the configured limit before the first INFO).
     pub fn max_payload(&self) -> usize {
         let s = self.0.state.borrow();
@@ -449,11 +277,6 @@ impl Client {
         self.0.state.borrow().stats
     }
 
-    /// The last error the connection saw (server error, socket error).
-    pub fn last_error(&self) -> Option<NatsError> {
-        self.0.state.borrow().last_error.clone()
-    }
-
     /// Connects to the first server that accepts us and completes the handshake.
     async fn establish(&self) -> Result<TcpStream, NatsError> {
         let opts = &self.0.opts;
@@ -465,7 +288,7 @@ impl Client {
             }
             let mut last = NatsError::NotConnected;
             for server in &opts.servers {
-                match self.handshake(&host_port(server)?).await {
+                match self.handshake(&ServerUrl::parse(server)?).await {
                     Ok(stream) => return Ok(stream),
                     Err(e @ NatsError::Server(_)) => {
                         // Authentication failures do not heal by retrying fast.
@@ -488,9 +311,9 @@ impl Client {
     }
 
     /// TCP connect, INFO, CONNECT + PING, then PONG (or -ERR).
-    async fn handshake(&self, addr: &str) -> Result<TcpStream, NatsError> {
+    async fn handshake(&self, url: &ServerUrl) -> Result<TcpStream, NatsError> {
         let opts = &self.0.opts;
-        let mut stream = TcpStream::connect_timeout(addr, opts.connect_timeout)
+        let mut stream = TcpStream::connect_timeout(&url.addr, opts.connect_timeout)
             .await
             .map_err(std::io::Error::from)?;
         let _ = stream.set_nodelay(true);
@@ -524,9 +347,10 @@ impl Client {
                 protocol: 1,
                 headers: info.headers,
                 no_responders: info.headers,
-                auth_token: opts.token.clone(),
-                user: opts.user.clone(),
-                pass: opts.password.clone(),
+                // The options' credentials, else the URL's.
+                auth_token: opts.token.clone().or_else(|| url.token.clone()),
+                user: opts.user.clone().or_else(|| url.user.clone()),
+                pass: opts.password.clone().or_else(|| url.password.clone()),
                 echo: true,
             };
             let mut hello = Vec::new();
