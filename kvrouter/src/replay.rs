@@ -13,7 +13,7 @@ use kvrouter_io::log::LogReader;
 
 /// The sample log bundled into the binary: the first 700 lines of the shared
 /// `conversation_w4_e4_c4096_n2000` log (Mooncake conversation trace, 4 workers).
-const SAMPLE_LOG: &[u8] = include_bytes!("../../../bench/data/sample_w4.jsonl.zst");
+const SAMPLE_LOG: &[u8] = include_bytes!("../../bench/data/sample_w4.jsonl.zst");
 const SAMPLE_NAME: &str = "<bundled sample_w4.jsonl.zst>";
 
 #[derive(Debug, Args)]

@@ -135,7 +135,10 @@ pub(crate) struct ServeArgs {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(crate) struct ServeConfig {
+    /// Logged without any credentials it holds.
+    #[serde(serialize_with = "redacted_url")]
     nats: String,
+    #[serde(skip_serializing)]
     nats_token: Option<String>,
     nats_user: Option<String>,
     #[serde(skip_serializing)]
@@ -442,6 +445,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ingest.stop();
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The NATS URL without its user info, for the effective-configuration line.
+fn redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&kvrouter_io::nats::redact(url))
 }
 
 fn valid_name(s: &str) -> bool {

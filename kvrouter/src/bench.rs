@@ -14,7 +14,7 @@ use kvrouter_bench::harness::{self, EngineConfig, Ideals, Policy, PolicyReport, 
 use kvrouter_core::policy::CostConfig;
 
 /// The first 500 requests of the Mooncake conversation trace, bundled for fresh clones.
-const SAMPLE_TRACE: &str = include_str!("../../../bench/data/mooncake_conversation_sample.jsonl");
+const SAMPLE_TRACE: &str = include_str!("../../bench/data/mooncake_conversation_sample.jsonl");
 const SAMPLE_NAME: &str = "<bundled mooncake_conversation_sample.jsonl>";
 
 #[derive(Debug, Args)]
