@@ -3,7 +3,7 @@
 //! snapshot, and in JetStream mode a router that restarts from an older snapshot, or a
 //! broker restarted under load, loses nothing.
 //!
-//! The process-level `kill -9` of a router is in `io/kvrouter/tests/serve_e2e.rs`.
+//! The process-level `kill -9` of a router is in `kvrouter/tests/serve_e2e.rs`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,0 +1,153 @@
+//! The routing API's candidate workers follow the ingest: a worker the ingest removed (it
+//! left, restarted under a new id, fell silent) is never chosen again and its requests are
+//! released, however many of its requests were open. Real nats-server, the ingest and the
+//! routing API in this process, workers publishing through the worker library.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
+use kvrouter_io::ingest::{Ingest, IngestConfig};
+use kvrouter_io::nats::Client;
+use kvrouter_io::router::{self, RouterConfig};
+use kvrouter_io::worker::{KvPublisher, PublisherOptions};
+use kvrouter_tests::fleet::{nats_opts, wait_until};
+use kvrouter_tests::{NatsServer, http, on_glommio};
+use serde_json::Value;
+
+fn json(r: (u16, String)) -> (u16, Value) {
+    (r.0, serde_json::from_str(&r.1).unwrap_or(Value::Null))
+}
+
+fn listed(addr: &str) -> Vec<u64> {
+    let (_, v) = json(http(addr, "GET", "/v1/workers", "", &[]));
+    v["workers"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|w| w["worker_id"].as_u64()).collect())
+        .unwrap_or_default()
+}
+
+fn metric(addr: &str, name: &str) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn api(ingest: &Ingest) -> router::RouterHandle {
+    router::start(
+        RouterConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            replica_sync: false,
+            block_size: 16,
+            ..RouterConfig::default()
+        },
+        Some(ingest.view()),
+        None,
+        512 << 10,
+    )
+    .expect("the routing API starts")
+}
+
+#[test]
+fn a_worker_the_ingest_removed_is_never_routed_to_again() {
+    let server = NatsServer::start();
+    let ingest = Ingest::start(IngestConfig {
+        nats: nats_opts(&server.url()),
+        ..IngestConfig::default()
+    })
+    .unwrap();
+    let api = api(&ingest);
+    let addr = api.addr().to_string();
+    let (leave_tx, leave_rx) = mpsc::channel::<()>();
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    let url = server.url();
+    // Workers 1 and 2, each with a local indexer and one cached block (10 and 20).
+    let workers = std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let one = KvPublisher::start(client.clone(), PublisherOptions::new(1))
+                .await
+                .unwrap();
+            let two = KvPublisher::start(client.clone(), PublisherOptions::new(2))
+                .await
+                .unwrap();
+            for (p, block) in [(&one, 10), (&two, 20)] {
+                let b = vec![(LocalBlockHash(block), SequenceBlockHash(block))];
+                p.stored(0, None, b).await.unwrap();
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            while leave_rx.try_recv().is_err() {
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+            one.leave().await.unwrap();
+            client.flush(Duration::from_secs(5)).await.unwrap();
+            while stop_rx.try_recv().is_err() {
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    });
+    wait_until("both workers listed", Duration::from_secs(10), || {
+        listed(&addr) == [1, 2]
+    });
+    // Worker 1 caches block 10: it gets the request, which stays open.
+    let (status, v) = json(http(
+        &addr,
+        "POST",
+        "/v1/route",
+        r#"{"block_hashes": [10], "request_id": "open-on-one"}"#,
+        &[],
+    ));
+    assert_eq!((status, v["worker_id"].as_u64()), (200, Some(1)), "{v}");
+    leave_tx.send(()).unwrap();
+    wait_until(
+        "the ingest removes worker 1",
+        Duration::from_secs(10),
+        || ingest.workers().iter().all(|s| s.worker.worker_id != 1),
+    );
+    // Gone from routing at once, open request and all.
+    assert_eq!(listed(&addr), [2]);
+    for i in 0..20 {
+        let body = format!(r#"{{"block_hashes": [10, {i}], "request_id": "after-{i}"}}"#);
+        let (status, v) = json(http(&addr, "POST", "/v1/route", &body, &[]));
+        assert_eq!((status, v["worker_id"].as_u64()), (200, Some(2)), "{v}");
+    }
+    // Its request was released with it.
+    let (status, _) = http(&addr, "POST", "/v1/requests/open-on-one/free", "", &[]);
+    assert_eq!(status, 404);
+    assert_eq!(metric(&addr, "kvrouter_router_workers_removed_total"), 1.0);
+    assert_eq!(metric(&addr, "kvrouter_slots_active_requests"), 20.0);
+    stop_tx.send(()).unwrap();
+    workers.join().unwrap();
+    api.stop();
+    ingest.stop();
+}
+
+#[test]
+fn a_duplicate_request_id_is_one_client_error() {
+    let server = NatsServer::start();
+    let ingest = Ingest::start(IngestConfig {
+        nats: nats_opts(&server.url()),
+        ..IngestConfig::default()
+    })
+    .unwrap();
+    let api = router::start(
+        RouterConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            replica_sync: false,
+            static_workers: vec![kvrouter_core::worker::WorkerDp::new(7, 0)],
+            ..RouterConfig::default()
+        },
+        Some(ingest.view()),
+        None,
+        512 << 10,
+    )
+    .unwrap();
+    let addr = api.addr().to_string();
+    let body = r#"{"block_hashes": [1], "request_id": "dup"}"#;
+    assert_eq!(http(&addr, "POST", "/v1/route", body, &[]).0, 200);
+    assert_eq!(http(&addr, "POST", "/v1/route", body, &[]).0, 409);
+    assert_eq!(metric(&addr, "kvrouter_router_client_errors_total"), 1.0);
+    api.stop();
+    ingest.stop();
+}
