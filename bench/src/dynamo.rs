@@ -1,7 +1,7 @@
 //! The same replays through NVIDIA Dynamo's own indexers (`dynamo-kv-router` 1.6.1):
 //! `RadixTree` (single-threaded) and `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
 //! Events are converted to Dynamo's types before timing (through their MessagePack form,
-//! which `tests/codec_dynamo.rs` proves identical); each event and query is cloned outside
+//! which `tests/tests/codec_dynamo.rs` proves identical); each event and query is cloned outside
 //! the timed region because Dynamo's API takes them by value.
 
 use std::sync::Barrier;

@@ -13,7 +13,7 @@
 //!   equals the local hash, each next is XXH3-64 (seed 1337) over the parent's sequence
 //!   hash and the block's local hash, both as little-endian `u64`.
 //!
-//! `tests/hash_dynamo.rs` proves the identity against the `dynamo-kv-router` crate on random
+//! `tests/tests/hash_dynamo.rs` proves the identity against the `dynamo-kv-router` crate on random
 //! token sequences, block sizes, LoRA names, namespaces and multimodal hashes.
 
 use serde::de::{Error as _, Visitor};
@@ -367,7 +367,7 @@ mod tests {
     #[test]
     fn known_vector_matches_dynamo_constant() {
         // Dynamo's own test vector (dynamo-tokens `SEQ_HASH_5_8`): the chain step is
-        // XXH3(le64(parent) ++ le64(child), 1337); checked end to end in tests/hash_dynamo.rs.
+        // XXH3(le64(parent) ++ le64(child), 1337); checked end to end in tests/tests/hash_dynamo.rs.
         let p = SequenceBlockHash(1);
         let c = LocalBlockHash(2);
         let mut bytes = Vec::new();

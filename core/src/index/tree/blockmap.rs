@@ -35,14 +35,12 @@
 //!   hashbrown does, so memory is hashbrown's: 17 bytes per slot, plus 1/16 byte for the
 //!   counts.
 //!
-//! We used hashbrown's `HashTable` before, with the same prefetching. This table makes the
-//! replay of the shared log about 10 % faster (interleaved runs), although it runs 14 % more
-//! instructions (callgrind: 767 M against 673 M, mostly its plainer probe loop, its
-//! rebuilds on growth and the keyed hash): its probes stall less. With 255 tag values instead of 128, half as
-//! many inserts compare a key on a false tag match (with hashbrown, one insert in eleven
-//! did, and that compare was the costliest instruction of the writer in a sampling
-//! profile); a removal reads no neighbouring group; a new table's entries are not zeroed;
-//! and the prefetched entry lines are those a new name goes to.
+//! We used hashbrown's `HashTable` before, with the same prefetching. This table replays
+//! the shared logs faster although it runs more instructions: its probes stall less. With
+//! 255 tag values instead of 128, half as many inserts compare a key on a false tag match
+//! (that compare was the costliest instruction of the writer in a sampling profile); a
+//! removal reads no neighbouring group; a new table's entries are not zeroed; and the
+//! prefetched entry lines are those a new name goes to.
 //!
 //! A stored chain is usually placed in the tree before its names are probed (the writer
 //! plans it read-only), so that one probe per name both checks that the worker lacks it and
@@ -58,14 +56,12 @@
 //! each name's tags and entry lines a fixed distance ahead of its probe (the writer's
 //! `PREFETCH_AHEAD`, 24 names), so that the misses overlap.
 //!
-//! Tables we measured and dropped, on the shared replay log: hashbrown (above); four
-//! entries per 64-byte line with overflow counts and no tags (every insert then reads a
-//! line of entries to learn that the name is new: 30 % slower stores than hashbrown); a
-//! Robin Hood table with a separate tag array (about 20 % slower than hashbrown, both
-//! without prefetching); linear probing over single 16-byte slots with backward-shift
-//! removal or with tombstones (25-30 % slower than hashbrown with prefetching); four
-//! entries per line with tombstones (2x slower: the tombstones piled up under the log's
-//! churn). See docs/BENCHMARKS.md.
+//! Tables we measured and dropped, all slower on the shared replay logs: hashbrown (above);
+//! four entries per 64-byte line with overflow counts and no tags (every insert then reads
+//! a line of entries to learn that the name is new); a Robin Hood table with a separate tag
+//! array; linear probing over single 16-byte slots with backward-shift removal or with
+//! tombstones; four entries per line with tombstones (they piled up under the logs'
+//! churn). docs/BENCHMARKS.md has each one's figures.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -161,12 +157,19 @@ impl Tags {
 type Entry = (u64, u64);
 
 /// The entries of one group, 256 bytes. Not aligned to cache lines: with
-/// `#[repr(align(64))]` glibc's aligned allocations raised the replay's RSS per cached block
-/// from 36.8 to 55.6 bytes (docs/BENCHMARKS.md), so a group's entries may straddle five
-/// lines.
+/// `#[repr(align(64))]` glibc's aligned allocations raised the replay's memory per cached
+/// block past the memory target (docs/BENCHMARKS.md), so a group's entries may straddle
+/// five lines.
 #[derive(Debug)]
 #[repr(C)]
 struct Entries([MaybeUninit<Entry>; GROUP]);
+
+// The sizes the module docs, the heap accounting and the prefetch offsets count on: a
+// 16-byte entry, one 16-byte tag group read by one aligned SSE2 load, 256 bytes of entries
+// per group.
+const _: () = assert!(std::mem::size_of::<Entry>() == 16);
+const _: () = assert!(std::mem::size_of::<Tags>() == GROUP && std::mem::align_of::<Tags>() == 16);
+const _: () = assert!(std::mem::size_of::<Entries>() == GROUP * 16);
 
 /// What a probe for an insert found.
 enum Probe {

@@ -311,7 +311,7 @@ fn loom_models_merged_order_replacement() {
 #[test]
 fn loom_models_merged_order_race() {
     use super::reader::MergedCache;
-    use super::writer::SlotOrder;
+    use super::shared::SlotOrder;
     use crate::worker::WorkerDp;
     model(|| {
         let orders: Arc<[SlotOrder; 2]> = Arc::new([

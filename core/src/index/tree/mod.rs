@@ -36,7 +36,7 @@
 //! Memory is **bounded by construction**: when the last worker drops a block, the edge is
 //! trimmed (and compacted when mostly slack); a node nobody holds is unlinked at once and
 //! freed through the epoch collector; no node without a live block survives an event
-//! (`tests/index_tree.rs` checks node counts against block counts). Per cached block we
+//! (`tests/tests/index_tree.rs` checks node counts against block counts). Per cached block we
 //! keep 8 bytes of local hash (shared by all its holders) and, in the holder's hash map
 //! (sequence hash → node, position), one 16-byte entry and its tag byte at up to 7/8 load
 //! ([`blockmap`]). Sequence hashes are not stored in the tree: the rare operations that
@@ -69,7 +69,7 @@
 //!
 //! "A moment during the lookup" counts events by their effect: a worker's state before an
 //! event that was being applied while the lookup ran, and its state after it, both belong
-//! to the lookup (`tests/index_tree.rs` checks each answer against every state of the
+//! to the lookup (`tests/tests/index_tree.rs` checks each answer against every state of the
 //! shard from the one the lookup started on to one event past the one it returned on).
 //! One exception: a stored chain that reuses names the worker holds at other positions
 //! first drops those blocks (and what the worker holds below them), then stores the
@@ -86,12 +86,13 @@ mod garbage;
 mod loom_models;
 pub(crate) mod raw;
 mod reader;
+mod shared;
 mod writer;
 
 use ahash::AHashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
-use writer::ShardShared;
+use shared::ShardShared;
 pub use writer::ShardWriter;
 
 use super::{ApplyError, ApplyOutcome, Index, OverlapScores, WorkerSummary};

@@ -12,11 +12,8 @@
 //! ([`MergedOrder`]), so it needs no merge either.
 //!
 //! The walk is written once over [`SlotSet`]: a plain `u64` for shards of up to 64 slots
-//! (every set operation one instruction), a word slice for larger ones. On the shared
-//! replay log these two changes (and scoring the workers that reach the divergence point
-//! with one store each) took the lookup from about 2,800 to 1,670 instructions over two
-//! shards and from 1,880 to 1,270 over one (callgrind over `bench/examples/lookup_loop.rs`,
-//! its loop included).
+//! (every set operation one instruction), a word slice for larger ones. What these choices
+//! cost and saved, measured, is in docs/BENCHMARKS.md.
 
 use std::sync::Arc;
 
@@ -25,7 +22,7 @@ use smallvec::SmallVec;
 
 use super::raw::bits::{AtomicBits, for_each_set};
 use super::raw::node::Node;
-use super::writer::{ShardShared, SlotOrder};
+use super::shared::{ShardShared, SlotOrder};
 use crate::index::OverlapScores;
 use crate::sync::Ordering;
 use crate::worker::WorkerDp;

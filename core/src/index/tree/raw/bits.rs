@@ -31,6 +31,11 @@ pub(crate) struct AtomicBits {
     rest: Atomic<Overflow>,
 }
 
+// One inline word and one pointer: a node's two bitsets cost 32 bytes until a shard has
+// more than 64 slots.
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<AtomicBits>() == 16);
+
 impl AtomicBits {
     pub(crate) fn new() -> Self {
         Self {

@@ -39,6 +39,10 @@ pub(crate) struct Slot {
     child: Atomic<Node>,
 }
 
+// A key filter and a pointer: four slots to a cache line.
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Slot>() == 16);
+
 impl Blank for Slot {
     fn blank() -> Self {
         Slot {

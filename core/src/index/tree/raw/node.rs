@@ -41,6 +41,11 @@ pub(crate) struct Node {
     pub(crate) children: Atomic<ChildTable>,
 }
 
+// 72 bytes: what the memory accounting and the bytes-per-block figures count per node
+// (loom's atomics are larger).
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Node>() == 72);
+
 impl Node {
     /// A node holding `blocks` (at least one) in an edge of capacity `cap`, with no holders
     /// yet.
