@@ -40,8 +40,8 @@
 //!   equal overlaps the term is equal everywhere and load alone decides, so a hot prefix
 //!   stops attracting requests once a second worker holds it.
 //!
-//! On the Mooncake conversation trace (8 mock workers) the pair raises the prefix-hit
-//! ratio from 63 % to 93 % of what the fleet's capacity allows and halves mean TTFT.
+//! On the Mooncake conversation trace the pair keeps far more of the hits the fleet's
+//! capacity allows, at a much lower mean TTFT (docs/BENCHMARKS.md has the figures).
 //! Where KV memory rather than prefill is the bottleneck (caches a few requests deep),
 //! the decode term matters more: lower `prefill_load_scale` there.
 //!

@@ -528,6 +528,106 @@ mod tests {
         assert!(f.throughput_rps > s.throughput_rps);
     }
 
+    /// POSTs a JSON body to the routing API; returns the chosen worker id.
+    fn route_over_http(addr: std::net::SocketAddr, body: &str) -> u64 {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let head = format!(
+            "POST /v1/route HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(body.as_bytes()).unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        let json = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        v["worker_id"].as_u64().unwrap_or_else(|| panic!("{resp}"))
+    }
+
+    #[test]
+    fn the_harness_and_the_routing_api_make_the_same_decisions() {
+        use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+        use kvrouter_core::index::WorkerSummary;
+        use kvrouter_io::ingest::IngestView;
+        use kvrouter_io::router::{self, RouterConfig};
+
+        let cfg = SimConfig {
+            workers: 4,
+            engine: EngineConfig {
+                block_size: 16,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let workers: Vec<WorkerDp> = (1..=4).map(|i| WorkerDp::new(i, 0)).collect();
+        let mut harness = Router::new(Policy::KvAware, &cfg, workers.clone());
+        // Workers 1..=3 cache prefixes of different lengths of one chain; 4 caches nothing.
+        let chain: Vec<LocalBlockHash> = (100..110).map(LocalBlockHash).collect();
+        let seqs = sequence_hashes(&chain);
+        for (w, n) in [(1u64, 2usize), (2, 6), (3, 4)] {
+            let blocks: Vec<_> = chain[..n]
+                .iter()
+                .copied()
+                .zip(seqs[..n].iter().copied())
+                .collect();
+            harness
+                .index
+                .apply(RouterEvent::new(
+                    w,
+                    KvCacheEvent::stored(0, 0, None, blocks),
+                ))
+                .unwrap();
+        }
+        // Every worker is a candidate on both sides, the one with no cache too.
+        let summaries = workers
+            .iter()
+            .map(|&worker| WorkerSummary {
+                worker,
+                blocks: 0,
+                last_event_id: None,
+            })
+            .collect();
+        let api = router::start(
+            RouterConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                replica_sync: false,
+                block_size: 16,
+                cost: cfg.cost,
+                seed: cfg.seed,
+                router_id: 0,
+                ..RouterConfig::default()
+            },
+            Some(IngestView::fixed(harness.index.reader(), summaries)),
+            None,
+            256 << 10,
+        )
+        .unwrap();
+        // Requests along the chain and off it, so that caches, loads and ties all decide
+        // some of them; both sides keep every request open, so their loads move alike.
+        let mut picks = Vec::new();
+        for i in 0..60u64 {
+            let n = 1 + (i as usize * 7) % chain.len();
+            let mut locals: Vec<LocalBlockHash> = chain[..n].to_vec();
+            if i % 3 == 0 {
+                locals.push(LocalBlockHash(1_000 + i));
+            }
+            let seq_u64: Vec<u64> = sequence_hashes(&locals).iter().map(|s| s.0).collect();
+            let tokens = locals.len() as u64 * 16;
+            let ours = workers[harness.route(i as usize, &locals, &seq_u64, tokens, 0)].worker_id;
+            let hashes: Vec<u64> = locals.iter().map(|l| l.0).collect();
+            let body = format!(r#"{{"block_hashes": {hashes:?}, "request_id": "{i}"}}"#);
+            let theirs = route_over_http(api.addr(), &body);
+            assert_eq!(ours, theirs, "request {i}");
+            picks.push(ours);
+        }
+        // The sequence exercised more than one worker.
+        picks.sort_unstable();
+        picks.dedup();
+        assert!(picks.len() >= 3, "{picks:?}");
+        api.stop();
+    }
+
     #[test]
     fn policy_names_round_trip() {
         for p in Policy::ALL {
