@@ -51,16 +51,19 @@ impl ShardCore {
             // Commands a snapshot took off the channel but left for after it come first.
             let cmd = match self.deferred.pop_front() {
                 Some(cmd) => cmd,
-                None => {
-                    if rx.is_empty() {
-                        // Idle: what this core did is now visible to readers.
+                None => match rx.try_recv() {
+                    Ok(cmd) => cmd,
+                    Err(flume::TryRecvError::Disconnected) => break,
+                    Err(flume::TryRecvError::Empty) => {
+                        // Idle: what this core did is now visible to readers. (A `try_recv`
+                        // first, not `is_empty`: one channel lock per command, as before.)
                         self.publish();
+                        match rx.recv_async().await {
+                            Ok(cmd) => cmd,
+                            Err(_) => break,
+                        }
                     }
-                    match rx.recv_async().await {
-                        Ok(cmd) => cmd,
-                        Err(_) => break,
-                    }
-                }
+                },
             };
             if self.command(cmd, &rx) == Flow::Stop {
                 break;
