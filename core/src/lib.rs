@@ -9,6 +9,8 @@
 //!   replica sync, metrics) and its JSON form of KV events.
 //! * [`nats`]: the NATS client protocol, sans I/O (an incremental parser of what the server
 //!   sends, encoders of what a client sends); `kvrouter-io`'s client drives it over sockets.
+//! * [`zmtp`]: the ZeroMQ wire protocol (ZMTP 3.x, NULL mechanism), sans I/O, for the ZMQ
+//!   event planes.
 //! * [`index`]: the `Index` trait, the semantics every index obeys, and the reference
 //!   index that is the oracle for the fast ones.
 //! * [`policy`]: the cost of sending a request to each worker, and the choice (Dynamo's
@@ -30,6 +32,7 @@
 
 pub mod codec;
 pub mod decision;
+pub mod engine;
 pub mod event;
 pub mod hash;
 pub mod index;
@@ -42,6 +45,7 @@ pub mod slots;
 pub mod snapshot;
 mod sync;
 pub mod worker;
+pub mod zmtp;
 
 pub use event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
 pub use hash::{LocalBlockHash, SequenceBlockHash};
