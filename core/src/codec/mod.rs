@@ -21,6 +21,7 @@
 pub mod kv;
 pub mod metrics;
 pub mod replica;
+pub mod vllm;
 
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +64,9 @@ pub enum CodecError {
         /// The topic in the envelope.
         found: String,
     },
+    /// A ZMQ event-plane frame whose header does not match its length.
+    #[error("malformed ZMQ event-plane frame ({0})")]
+    Frame(&'static str),
     /// Encoding failed (only possible for values that MessagePack cannot represent).
     #[error("cannot encode {what}: {source}")]
     Encode {
@@ -81,9 +85,28 @@ impl CodecError {
             CodecError::Msgpack { .. } => "msgpack",
             CodecError::Json { .. } => "json",
             CodecError::UnexpectedTopic { .. } => "topic",
+            CodecError::Frame(_) => "frame",
             CodecError::Encode { .. } => "encode",
         }
     }
+}
+
+/// The envelope inside the last frame of a Dynamo ZMQ event-plane message
+/// (`[topic, publisher id, seq, frame]`): a format byte (1), the envelope's length as four
+/// big-endian bytes, then the same MessagePack envelope the NATS plane carries.
+pub fn zmq_plane_envelope(frame: &[u8]) -> Result<&[u8], CodecError> {
+    let (&format, rest) = frame.split_first().ok_or(CodecError::Frame("empty"))?;
+    if format != 1 {
+        return Err(CodecError::Frame("unknown format byte"));
+    }
+    let (len, body) = rest
+        .split_at_checked(4)
+        .ok_or(CodecError::Frame("no length"))?;
+    let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    if len != body.len() {
+        return Err(CodecError::Frame("length does not match"));
+    }
+    Ok(body)
 }
 
 pub(crate) fn from_msgpack<'a, T: Deserialize<'a>>(
