@@ -7,6 +7,7 @@
 //! * [`nats`]: the NATS protocol and a client on glommio's io_uring sockets.
 //! * [`ingest`]: KV-event ingest (thread per core): NATS → decode → the shard core that owns
 //!   the worker → the lock-free index; gap recovery, restarts, discovery, liveness.
+//! * [`zmq`]: ZeroMQ SUB and DEALER sockets on glommio (our own ZMTP, no libzmq).
 //! * [`worker`]: the worker-side library: `KvPublisher` and its local indexer.
 //! * [`http`]: a small HTTP/1.1 server on glommio's io_uring sockets.
 //! * [`snapshot`]: snapshot files (atomic writes, mmap loads, full validation).
@@ -22,6 +23,7 @@ pub mod nats;
 pub mod router;
 pub mod snapshot;
 pub mod worker;
+pub mod zmq;
 
 /// Displays an error with its whole chain of sources (`outer: inner: innermost`), for log
 /// lines: the error types here keep each cause as a `source`, not in their own message.
