@@ -69,7 +69,7 @@ pub fn run(
 
     // Ingest.
     let ingest = Ingest::start(IngestConfig {
-        nats: opts.clone(),
+        nats: Some(opts.clone()),
         subjects: subjects.clone(),
         shards,
         record_latency: true,

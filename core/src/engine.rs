@@ -122,9 +122,9 @@ impl Converter {
         self.next_event_id
     }
 
-    /// Starts numbering again from 0 (the publisher restarted, or was reset).
+    /// Forgets the groups learnt so far (the publisher restarted, or was reset). The
+    /// numbering goes on: a reset is a [`Self::cleared`] event in the same stream.
     pub fn reset(&mut self) {
-        self.next_event_id = 0;
         self.kinds.clear();
     }
 

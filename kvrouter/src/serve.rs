@@ -370,7 +370,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let ingest = if cfg.kv_events {
         Some(
             Ingest::start(IngestConfig {
-                nats: nats.clone(),
+                nats: Some(nats.clone()),
                 subjects: subjects.clone(),
                 shards: cfg.shards,
                 cpus: cfg.cpus.iter().skip(1).copied().collect(),

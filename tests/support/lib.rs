@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+pub mod engine;
 pub mod fleet;
 
 /// The repository root.
@@ -46,7 +47,8 @@ fn nats_server_bin() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
-fn free_port() -> u16 {
+/// A TCP port nobody listens on now.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

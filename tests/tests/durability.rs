@@ -39,7 +39,7 @@ fn js_api(url: &str, subject: &str) -> String {
 
 fn start(url: &str, snapshots: Option<&Path>, durable: Option<&str>) -> Ingest {
     Ingest::start(IngestConfig {
-        nats: nats_opts(url),
+        nats: Some(nats_opts(url)),
         shards: 2,
         recovery_timeout: Duration::from_secs(2),
         silence_timeout: Duration::from_secs(60),

@@ -18,7 +18,7 @@ use kvrouter_tests::{NatsServer, on_glommio};
 
 fn ingest(url: &str, shards: usize) -> Ingest {
     Ingest::start(IngestConfig {
-        nats: nats_opts(url),
+        nats: Some(nats_opts(url)),
         shards,
         recovery_timeout: Duration::from_secs(2),
         silence_timeout: Duration::from_secs(30),
@@ -266,7 +266,7 @@ fn malformed_payloads_are_counted_and_skipped() {
 fn stock_dynamo_workers_are_registered_by_their_first_event_and_reaped_when_silent() {
     let server = NatsServer::start();
     let ingest = Ingest::start(IngestConfig {
-        nats: nats_opts(&server.url()),
+        nats: Some(nats_opts(&server.url())),
         silence_timeout: Duration::from_millis(600),
         ..Default::default()
     })

@@ -53,7 +53,7 @@ fn api(ingest: &Ingest) -> router::RouterHandle {
 fn a_worker_the_ingest_removed_is_never_routed_to_again() {
     let server = NatsServer::start();
     let ingest = Ingest::start(IngestConfig {
-        nats: nats_opts(&server.url()),
+        nats: Some(nats_opts(&server.url())),
         ..IngestConfig::default()
     })
     .unwrap();
@@ -127,7 +127,7 @@ fn a_worker_the_ingest_removed_is_never_routed_to_again() {
 fn a_duplicate_request_id_is_one_client_error() {
     let server = NatsServer::start();
     let ingest = Ingest::start(IngestConfig {
-        nats: nats_opts(&server.url()),
+        nats: Some(nats_opts(&server.url())),
         ..IngestConfig::default()
     })
     .unwrap();

@@ -4,14 +4,24 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvrouter_core::codec::Subjects;
+use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
 use crate::nats::Options;
+use crate::zmq::{Endpoint, SubOptions};
 
 /// Settings of the ingest.
 #[derive(Debug, Clone)]
 pub struct IngestConfig {
-    /// NATS connection.
-    pub nats: Options,
+    /// NATS connection: Dynamo's NATS event plane, worker announcements and recovery
+    /// (`None`: no NATS plane).
+    pub nats: Option<Options>,
+    /// Engines that publish the vLLM-native KV-event wire over ZMQ.
+    pub zmq_engines: Vec<ZmqEngine>,
+    /// Dynamo's file discovery directory (`DYN_FILE_KV`): its workers, routable at once,
+    /// and the ZMQ event-plane publishers it advertises.
+    pub dynamo_discovery: Option<PathBuf>,
+    /// ZMQ sockets and replay.
+    pub zmq: ZmqOptions,
     /// Subject naming (Dynamo's defaults: `dynamo`, `backend`, `generate`).
     pub subjects: Subjects,
     /// Shard cores (index writers).
@@ -89,7 +99,10 @@ impl DurableConfig {
 impl Default for IngestConfig {
     fn default() -> Self {
         Self {
-            nats: Options::default(),
+            nats: Some(Options::default()),
+            zmq_engines: Vec::new(),
+            dynamo_discovery: None,
+            zmq: ZmqOptions::default(),
             subjects: Subjects::default(),
             shards: 1,
             cpus: Vec::new(),
@@ -102,6 +115,81 @@ impl Default for IngestConfig {
             snapshot: None,
             durable: None,
             router_id: 0,
+        }
+    }
+}
+
+/// An engine that publishes the vLLM-native KV-event wire: vLLM's `--kv-events-config`
+/// publisher, SGLang's, TensorRT-LLM's, LMCache's, or Dynamo's mocker with
+/// `--zmq-kv-events-ports`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ZmqEngine {
+    /// Its name (logs).
+    pub name: String,
+    /// Its worker id in the index and in routing answers.
+    pub worker_id: WorkerId,
+    /// Its KV-event publisher. A host is connected to; a wildcard (`tcp://*:port`) is
+    /// bound, for an engine whose publisher connects to us. Rank `dp_start + i` is at port
+    /// + `i`, as vLLM and SGLang place them.
+    pub events: Endpoint,
+    /// Its replay socket (same port rule), when it has one.
+    pub replay: Option<Endpoint>,
+    /// First data-parallel rank.
+    pub dp_start: DpRank,
+    /// Number of data-parallel ranks.
+    pub dp_size: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// The engine's OpenAI-compatible HTTP base URL (for the proxy).
+    pub http_url: Option<String>,
+}
+
+impl ZmqEngine {
+    /// An engine with one rank, no replay socket, and a worker id derived from its name.
+    pub fn new(name: impl Into<String>, events: Endpoint, block_size: u32) -> Self {
+        let name = name.into();
+        ZmqEngine {
+            worker_id: Self::id_of(&name),
+            name,
+            events,
+            replay: None,
+            dp_start: 0,
+            dp_size: 1,
+            block_size,
+            http_url: None,
+        }
+    }
+
+    /// The worker id a name stands for when no id is given: XXH3-64 of the name, below
+    /// 2^63 so that JSON readers that parse numbers as doubles at least keep its order.
+    pub fn id_of(name: &str) -> WorkerId {
+        xxhash_rust::xxh3::xxh3_64(name.as_bytes()) >> 1
+    }
+
+    /// Its (worker, dp rank)s with their rank index (the port offset).
+    pub fn ranks(&self) -> impl Iterator<Item = (u16, WorkerDp)> + '_ {
+        (0..self.dp_size.max(1))
+            .map(move |i| (i as u16, WorkerDp::new(self.worker_id, self.dp_start + i)))
+    }
+}
+
+/// ZMQ sockets and replay.
+#[derive(Debug, Clone, Copy)]
+pub struct ZmqOptions {
+    /// Subscriber sockets.
+    pub sub: SubOptions,
+    /// How long one replay reply may take.
+    pub replay_timeout: Duration,
+    /// Most batches one replay takes (an engine keeps 10,000).
+    pub replay_max: usize,
+}
+
+impl Default for ZmqOptions {
+    fn default() -> Self {
+        Self {
+            sub: SubOptions::default(),
+            replay_timeout: Duration::from_secs(2),
+            replay_max: 10_000,
         }
     }
 }

@@ -122,6 +122,37 @@ stats! {
     js_redelivered,
     /// Durable consumers re-created after messages were lost in flight.
     js_resets,
+    /// ZMQ messages received (vLLM-native wire and Dynamo's ZMQ plane).
+    zmq_messages,
+    /// ZMQ publisher connections made.
+    zmq_connects,
+    /// ZMQ publisher connections lost.
+    zmq_disconnects,
+    /// Gaps in a ZMQ publisher's sequence numbers.
+    zmq_gaps,
+    /// Gaps (and catch-ups at first sight) repaired through an engine's replay socket.
+    zmq_replays,
+    /// Replays that could not repair a gap (the range was gone, or the socket did not
+    /// answer): the worker was reset and refills from its next events.
+    zmq_replay_failures,
+    /// Engine restarts seen (a sequence number that went back): the worker was reset.
+    zmq_restarts,
+    /// Engine events of attention groups that are not full attention (not indexed).
+    engine_other_groups,
+    /// Engine events whose block size is not the engine's configured one.
+    engine_block_size_mismatches,
+    /// Stored blocks without the tokens to hash them.
+    engine_no_token_blocks,
+    /// Engine events on a medium we do not know (kept out of every credit).
+    engine_unknown_medium,
+    /// Engine events about another engine's cache (`locality` REMOTE).
+    engine_remote,
+    /// Engine events of a type we do not know.
+    engine_unknown_type,
+    /// Batches that named another dp rank than their publisher's.
+    engine_wrong_rank,
+    /// Discovery entries that could not be read.
+    discovery_errors,
 }
 
 /// One core's published counters: written by that core only, read on scrape. Aligned to

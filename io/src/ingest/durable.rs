@@ -5,6 +5,7 @@
 use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
+use super::hub::Hub;
 use super::nats_source::NatsSource;
 use crate::nats::jetstream::{self, ConsumerSpec, StreamSpec};
 use crate::nats::{Client, NatsError};
@@ -29,55 +30,55 @@ impl Durable {
     }
 }
 
-impl NatsSource {
-    /// Binds the stream (created when missing) and checks it against the snapshot's
-    /// position: a stream behind the snapshot was re-created and is replayed from its start.
-    pub(super) async fn bind_stream(&self, client: &Client) -> Result<(), jetstream::JsError> {
-        let Some(d) = &self.cfg.durable else {
-            return Ok(());
-        };
-        let spec = StreamSpec {
-            name: d.stream.clone(),
-            subjects: vec![self.cfg.subjects.kv_events()],
-            max_age: d.max_age,
-            max_bytes: None,
-        };
-        let st = jetstream::ensure_stream(client, &spec, Duration::from_secs(5)).await?;
-        let from = self.durable.dispatched_seq.get();
-        if from > st.last_seq {
-            // The stream was re-created (or its store wiped) since the snapshot: its
-            // numbering started over. Replay all of it.
-            tracing::warn!(
-                snapshot_seq = from,
-                last_seq = st.last_seq,
-                "the stream is behind the snapshot (re-created?): replaying it from the start"
-            );
-            self.durable.dispatched_seq.set(0);
-        } else if from > 0 && st.first_seq > from + 1 {
-            tracing::warn!(
-                snapshot_seq = from,
-                first_seq = st.first_seq,
-                "the stream no longer holds every message after the snapshot: workers with a local indexer will be resynchronised by gap recovery"
-            );
-        }
-        tracing::info!(stream = %d.stream, first_seq = st.first_seq, last_seq = st.last_seq, "stream bound");
-        Ok(())
+/// Binds the stream (created when missing) and checks it against the snapshot's
+/// position: a stream behind the snapshot was re-created and is replayed from its start.
+pub(super) async fn bind_stream(hub: &Hub, client: &Client) -> Result<(), jetstream::JsError> {
+    let Some(d) = &hub.cfg.durable else {
+        return Ok(());
+    };
+    let spec = StreamSpec {
+        name: d.stream.clone(),
+        subjects: vec![hub.cfg.subjects.kv_events()],
+        max_age: d.max_age,
+        max_bytes: None,
+    };
+    let st = jetstream::ensure_stream(client, &spec, Duration::from_secs(5)).await?;
+    let from = hub.durable.dispatched_seq.get();
+    if from > st.last_seq {
+        // The stream was re-created (or its store wiped) since the snapshot: its
+        // numbering started over. Replay all of it.
+        tracing::warn!(
+            snapshot_seq = from,
+            last_seq = st.last_seq,
+            "the stream is behind the snapshot (re-created?): replaying it from the start"
+        );
+        hub.durable.dispatched_seq.set(0);
+    } else if from > 0 && st.first_seq > from + 1 {
+        tracing::warn!(
+            snapshot_seq = from,
+            first_seq = st.first_seq,
+            "the stream no longer holds every message after the snapshot: workers with a local indexer will be resynchronised by gap recovery"
+        );
     }
+    tracing::info!(stream = %d.stream, first_seq = st.first_seq, last_seq = st.last_seq, "stream bound");
+    Ok(())
+}
 
+impl NatsSource {
     /// Durable mode: (re)creates this replica's consumer right after the last message
     /// handed to the shards and feeds its deliveries to the shards in order. A delivery
     /// that skips consumer sequences (messages lost in flight: a full subscription buffer,
     /// a broker restart) re-creates the consumer after the last message applied, so that
     /// events are never applied out of order; redeliveries of applied messages are skipped.
     pub(super) async fn consume_durable(&self, client: &Client) {
-        let Some(d) = self.cfg.durable.clone() else {
+        let Some(d) = self.hub.cfg.durable.clone() else {
             return;
         };
         let mut generation = 0u64;
         let mut backoff = Duration::from_millis(50);
         loop {
             generation += 1;
-            let deliver = format!("_KVROUTER.{:x}.{generation}", self.cfg.router_id);
+            let deliver = format!("_KVROUTER.{:x}.{generation}", self.hub.cfg.router_id);
             let sub = match client.subscribe(&deliver, None) {
                 Ok(s) => s,
                 Err(NatsError::Closed) => return,
@@ -88,7 +89,7 @@ impl NatsSource {
                     continue;
                 }
             };
-            let after = self.durable.dispatched_seq.get();
+            let after = self.hub.durable.dispatched_seq.get();
             let spec = ConsumerSpec {
                 stream: d.stream.clone(),
                 durable: d.consumer.clone(),
@@ -98,7 +99,7 @@ impl NatsSource {
                 ack_wait: d.ack_wait,
                 idle_heartbeat: Some(d.idle_heartbeat),
             };
-            self.durable.consumer_ready.set(false);
+            self.hub.durable.consumer_ready.set(false);
             if let Err(e) =
                 jetstream::recreate_consumer(client, &spec, Duration::from_secs(5)).await
             {
@@ -111,7 +112,7 @@ impl NatsSource {
                 continue;
             }
             backoff = Duration::from_millis(50);
-            self.durable.consumer_ready.set(true);
+            self.hub.durable.consumer_ready.set(true);
             tracing::info!(consumer = %d.consumer, from_seq = after + 1, "durable consumer ready");
             let mut last_cseq = 0u64;
             // The server sends an idle heartbeat when it has nothing to deliver; silence
@@ -128,7 +129,7 @@ impl NatsSource {
                     Some(Some(m)) => m,
                     Some(None) => return, // the client closed
                     None if client.is_connected() => {
-                        self.bump(|s| s.js_resets += 1);
+                        self.hub.bump(|s| s.js_resets += 1);
                         tracing::warn!(
                             "no deliveries nor heartbeats from the consumer: re-creating it"
                         );
@@ -140,22 +141,22 @@ impl NatsSource {
                     continue; // a status message (idle heartbeat)
                 };
                 let Some(dl) = jetstream::parse_ack_subject(&reply) else {
-                    self.bump(|s| s.decode_errors += 1);
+                    self.hub.bump(|s| s.decode_errors += 1);
                     tracing::warn!(%reply, "delivery without a JetStream ack subject skipped");
                     continue;
                 };
-                let applied = dl.stream_seq <= self.durable.dispatched_seq.get();
+                let applied = dl.stream_seq <= self.hub.durable.dispatched_seq.get();
                 if dl.delivered == 1 && (dl.consumer_seq <= last_cseq || applied) {
                     // A first delivery can neither repeat a consumer sequence nor go back in
                     // the stream: the consumer or the stream was re-created behind our back.
-                    self.bump(|s| s.js_resets += 1);
+                    self.hub.bump(|s| s.js_resets += 1);
                     if applied {
                         tracing::warn!(
                             stream_seq = dl.stream_seq,
-                            applied = self.durable.dispatched_seq.get(),
+                            applied = self.hub.durable.dispatched_seq.get(),
                             "the stream's numbering went back (re-created?): replaying it from the start"
                         );
-                        self.durable.dispatched_seq.set(0);
+                        self.hub.durable.dispatched_seq.set(0);
                     } else {
                         tracing::warn!(
                             "the consumer was re-created by someone else (two replicas with one consumer name?)"
@@ -164,12 +165,12 @@ impl NatsSource {
                     break;
                 }
                 if dl.consumer_seq <= last_cseq || applied {
-                    self.bump(|s| s.js_redelivered += 1);
+                    self.hub.bump(|s| s.js_redelivered += 1);
                     last_cseq = last_cseq.max(dl.consumer_seq);
                     continue;
                 }
                 if dl.consumer_seq > last_cseq + 1 {
-                    self.bump(|s| s.js_resets += 1);
+                    self.hub.bump(|s| s.js_resets += 1);
                     tracing::warn!(
                         expected = last_cseq + 1,
                         got = dl.consumer_seq,
@@ -179,8 +180,8 @@ impl NatsSource {
                 }
                 last_cseq = dl.consumer_seq;
                 self.on_events(&msg.payload).await;
-                self.durable.dispatched_seq.set(dl.stream_seq);
-                *self.durable.ack_reply.borrow_mut() = Some(reply);
+                self.hub.durable.dispatched_seq.set(dl.stream_seq);
+                *self.hub.durable.ack_reply.borrow_mut() = Some(reply);
             }
         }
     }
@@ -188,12 +189,12 @@ impl NatsSource {
     /// Durable mode: once every shard has applied what was handed to it, acknowledges the
     /// last message (acknowledgement policy `all` covers every earlier one).
     pub(super) async fn ack_applied(&self, client: &Client) {
-        let Some(reply) = self.durable.ack_reply.borrow_mut().take() else {
+        let Some(reply) = self.hub.durable.ack_reply.borrow_mut().take() else {
             return;
         };
-        self.shards.barrier().await;
+        self.hub.shards.barrier().await;
         if client.publish(&reply, b"+ACK").await.is_ok() {
-            self.bump(|s| s.js_acks += 1);
+            self.hub.bump(|s| s.js_acks += 1);
         }
     }
 }

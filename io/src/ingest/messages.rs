@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use kvrouter_core::event::RouterEvent;
 use kvrouter_core::snapshot::WorkerRecord;
-use kvrouter_core::worker::{DpRank, WorkerId};
+use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
 use super::snapshots::{SnapshotError, SnapshotInfo};
 
@@ -54,6 +54,9 @@ pub(super) enum ShardCmd {
     },
     /// The worker left: drop everything it holds.
     Remove { worker_id: WorkerId },
+    /// These (worker, dp rank)s exist (discovery, a static engine list, a heartbeat): list
+    /// them, with no blocks until their events come, so that they are routable at once.
+    Register { workers: Vec<WorkerDp> },
     /// Dump this shard's state for a snapshot.
     Snapshot { reply: flume::Sender<ShardPart> },
     /// Answer once everything sent before has been applied.
@@ -70,6 +73,7 @@ impl std::fmt::Debug for ShardCmd {
             ShardCmd::Announced { .. } => "Announced",
             ShardCmd::Recovered { .. } => "Recovered",
             ShardCmd::Remove { .. } => "Remove",
+            ShardCmd::Register { .. } => "Register",
             ShardCmd::Snapshot { .. } => "Snapshot",
             ShardCmd::Barrier { .. } => "Barrier",
             ShardCmd::Stop => "Stop",

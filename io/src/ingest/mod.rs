@@ -47,7 +47,7 @@
 //! [`snapshots`]: restored into the writers before any core starts; written on demand,
 //! periodically and on stop, each shard cut between two of its events.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -63,19 +63,22 @@ use crate::snapshot::SnapshotStore;
 mod config;
 mod counters;
 mod durable;
+mod dynamo_plane;
+mod hub;
 mod messages;
 mod nats_source;
 mod shard;
 mod snapshots;
 mod source;
+mod zmq_source;
 
-pub use config::{DurableConfig, IngestConfig, SnapshotConfig};
+pub use config::{DurableConfig, IngestConfig, SnapshotConfig, ZmqEngine, ZmqOptions};
 pub use counters::IngestStats;
 pub use snapshots::{SnapshotError, SnapshotInfo};
 
 use counters::{AllCounters, SharedSummaries, Summaries};
+use hub::Hub;
 use messages::{ShardCmd, SourceCmd};
-use nats_source::NatsSource;
 use shard::ShardCore;
 use snapshots::{Restored, Snapshotter, restore};
 use source::{Shards, Workers};
@@ -261,6 +264,7 @@ impl Ingest {
                 ids: std::mem::take(&mut ids_of[i]),
                 announced: std::mem::take(&mut announced_of[i]),
                 recovering: HashMap::new(),
+                registered: HashSet::new(),
                 // The restore's counts go with shard 0 (the source core publishes its own).
                 stats: if i == 0 {
                     restore_stats
@@ -282,7 +286,7 @@ impl Ingest {
             threads.push(h);
         }
         let (started_tx, started_rx) = std::sync::mpsc::channel::<Result<(), IngestError>>();
-        let source = NatsSource::new(
+        let source = Hub::new(
             cfg.clone(),
             Shards::new(shard_tx.clone(), Arc::clone(&map)),
             Workers::new(liveness, cfg.silence_timeout, cfg.heartbeat_misses),

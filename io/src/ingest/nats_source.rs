@@ -9,8 +9,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvrouter_core::codec::{self, Envelope, kv, metrics};
@@ -18,28 +17,18 @@ use kvrouter_core::recovery::{Announcement, RecoveryReply, RecoveryRequest};
 use kvrouter_core::worker::{DpRank, WorkerId};
 
 use super::IngestError;
-use super::config::IngestConfig;
-use super::counters::{AllCounters, IngestStats};
-use super::durable::Durable;
-use super::messages::{Recovered, ShardCmd, SourceCmd};
-use super::snapshots::{SnapshotError, SnapshotInfo, Snapshotter};
-use super::source::{Shards, Workers};
-use crate::nats::{Client, Subscription};
+use super::hub::Hub;
+use super::messages::{Recovered, ShardCmd};
+use crate::nats::{Client, Options, Subscription};
 use crate::worker::TOPIC_WORKERS;
 
-/// The NATS source's state (owned by the source core; its tasks share it through `Rc`).
+/// The NATS source: its client and tasks, over the source core's [`Hub`].
 #[derive(Debug)]
 pub(super) struct NatsSource {
-    pub(super) cfg: IngestConfig,
-    pub(super) shards: Shards,
-    pub(super) workers: Workers,
-    /// The source core's counters (plain, published after each message: see
-    /// [`super::counters`]).
-    stats: RefCell<IngestStats>,
-    counters: Arc<AllCounters>,
-    ready: Arc<AtomicBool>,
-    snapshots: Snapshotter,
-    pub(super) durable: Durable,
+    pub(super) hub: Rc<Hub>,
+    pub(super) client: Client,
+    /// The events task (dropped to stop it).
+    events: RefCell<Option<glommio::Task<()>>>,
 }
 
 /// The subscriptions of a running source.
@@ -52,68 +41,67 @@ struct Subscriptions {
 }
 
 impl NatsSource {
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        cfg: IngestConfig,
-        shards: Shards,
-        workers: Workers,
-        counters: Arc<AllCounters>,
-        ready: Arc<AtomicBool>,
-        snapshots: Snapshotter,
-        stream_seq: u64,
-    ) -> Self {
-        Self {
-            cfg,
-            shards,
-            workers,
-            stats: RefCell::new(IngestStats::default()),
-            counters,
-            ready,
-            snapshots,
-            durable: Durable::new(stream_seq),
-        }
+    /// Connects, subscribes and starts the source's tasks; returns once the subscriptions
+    /// are active.
+    pub(super) async fn start(hub: Rc<Hub>, opts: Options) -> Result<Rc<NatsSource>, IngestError> {
+        let (client, subs) = Self::connect(&hub, opts).await?;
+        // Durable mode is ready once its consumer exists (see `tick`).
+        hub.ready
+            .store(hub.cfg.durable.is_none(), Ordering::Release);
+        let me = Rc::new(NatsSource {
+            hub,
+            client,
+            events: RefCell::new(None),
+        });
+        let events = Self::spawn_tasks(&me, subs);
+        *me.events.borrow_mut() = Some(events);
+        Ok(me)
     }
 
-    /// Counts (and publishes: the source core's counters are its own block).
-    pub(super) fn bump(&self, f: impl FnOnce(&mut IngestStats)) {
-        let mut s = self.stats.borrow_mut();
-        f(&mut s);
-        self.counters.core(0).publish(&s);
+    /// Acknowledges what was applied (durable mode), stops the tasks, closes the client.
+    pub(super) async fn stop(&self) {
+        self.ack_applied(&self.client).await;
+        drop(self.events.borrow_mut().take());
+        self.client.close();
     }
 
-    /// Connects, subscribes and runs until a [`SourceCmd::Stop`]; `started` hears once
-    /// the subscriptions are active (or why not).
-    pub(super) async fn run(
-        self,
-        cmds: flume::Receiver<SourceCmd>,
-        started: std::sync::mpsc::Sender<Result<(), IngestError>>,
+    /// Every 100 ms (the hub's tick): copies the client's counters and says whether the
+    /// source is ready.
+    pub(super) fn tick(&self) {
+        let st = self.client.stats();
+        self.hub.bump(|s| {
+            s.nats_dropped = st.dropped;
+            s.nats_reconnects = st.reconnects;
+        });
+        let consuming = self.hub.cfg.durable.is_none() || self.hub.durable.consumer_ready.get();
+        self.hub
+            .ready
+            .store(self.client.is_connected() && consuming, Ordering::Release);
+    }
+
+    /// Asks a worker's local indexer and hands the answer to `shard`.
+    pub(super) fn recover_into(
+        self: &Rc<Self>,
+        shard: usize,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        range: Option<(u64, u64)>,
     ) {
-        let (client, subs) = match self.connect().await {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = started.send(Err(e));
-                return;
-            }
-        };
-        // Durable mode is ready once its consumer exists (see the liveness task).
-        self.ready
-            .store(self.cfg.durable.is_none(), Ordering::Release);
-        let _ = started.send(Ok(()));
-        let me = Rc::new(self);
-        let events = Self::spawn_tasks(&me, &client, subs);
-        me.serve_commands(&client, cmds).await;
-        // Acknowledge what was applied before leaving.
-        me.ack_applied(&client).await;
-        drop(events);
-        client.close();
+        let m = Rc::clone(self);
+        glommio::spawn_local(async move {
+            let result = m.recover(&m.client, worker_id, dp_rank, range).await;
+            let cmd = ShardCmd::Recovered { worker_id, result };
+            let _ = m.hub.shards.send(shard, cmd).await;
+        })
+        .detach();
     }
 
-    async fn connect(&self) -> Result<(Client, Subscriptions), IngestError> {
-        let client = Client::connect(self.cfg.nats.clone()).await?;
-        let subject = |topic| self.cfg.subjects.subject(topic);
+    async fn connect(hub: &Hub, opts: Options) -> Result<(Client, Subscriptions), IngestError> {
+        let client = Client::connect(opts).await?;
+        let subject = |topic| hub.cfg.subjects.subject(topic);
         let subs = Subscriptions {
-            events: (self.cfg.durable.is_none())
-                .then(|| client.subscribe(&self.cfg.subjects.kv_events(), None))
+            events: (hub.cfg.durable.is_none())
+                .then(|| client.subscribe(&hub.cfg.subjects.kv_events(), None))
                 .transpose()?,
             kv_metrics: client.subscribe(&subject(codec::TOPIC_KV_METRICS), None)?,
             forward_pass_metrics: client
@@ -121,14 +109,15 @@ impl NatsSource {
             discovery: client.subscribe(&subject(TOPIC_WORKERS), None)?,
         };
         client.flush(Duration::from_secs(5)).await?;
-        self.bind_stream(&client)
+        super::durable::bind_stream(hub, &client)
             .await
             .map_err(IngestError::JetStream)?;
         Ok((client, subs))
     }
 
     /// Starts the source's tasks; returns the events task (dropped to stop it).
-    fn spawn_tasks(me: &Rc<Self>, client: &Client, subs: Subscriptions) -> glommio::Task<()> {
+    fn spawn_tasks(me: &Rc<Self>, subs: Subscriptions) -> glommio::Task<()> {
+        let client = &me.client;
         let (m, c) = (Rc::clone(me), client.clone());
         let events = glommio::spawn_local(async move {
             match subs.events {
@@ -140,22 +129,12 @@ impl NatsSource {
                 None => m.consume_durable(&c).await,
             }
         });
-        if let Some(d) = me.cfg.durable.clone() {
+        if let Some(d) = me.hub.cfg.durable.clone() {
             let (m, c) = (Rc::clone(me), client.clone());
             glommio::spawn_local(async move {
                 loop {
                     glommio::timer::sleep(d.ack_interval).await;
                     m.ack_applied(&c).await;
-                }
-            })
-            .detach();
-        }
-        if let Some(every) = me.cfg.snapshot.as_ref().and_then(|s| s.interval) {
-            let m = Rc::clone(me);
-            glommio::spawn_local(async move {
-                loop {
-                    glommio::timer::sleep(every).await;
-                    let _ = m.take_snapshot().await;
                 }
             })
             .detach();
@@ -171,96 +150,34 @@ impl NatsSource {
                 match serde_json::from_slice::<Announcement>(&msg.payload) {
                     Ok(a) => m.on_announcement(a).await,
                     Err(e) => {
-                        m.bump(|s| s.decode_errors += 1);
+                        m.hub.bump(|s| s.decode_errors += 1);
                         tracing::warn!(error = %e, "malformed worker announcement");
                     }
                 }
             }
         })
         .detach();
-        let (m, c) = (Rc::clone(me), client.clone());
-        glommio::spawn_local(async move { m.liveness(&c).await }).detach();
         events
-    }
-
-    /// Recovery and snapshot requests, until [`SourceCmd::Stop`].
-    async fn serve_commands(self: &Rc<Self>, client: &Client, cmds: flume::Receiver<SourceCmd>) {
-        while let Ok(cmd) = cmds.recv_async().await {
-            match cmd {
-                SourceCmd::Recover {
-                    shard,
-                    worker_id,
-                    dp_rank,
-                    range,
-                } => {
-                    let (m, c) = (Rc::clone(self), client.clone());
-                    glommio::spawn_local(async move {
-                        let result = m.recover(&c, worker_id, dp_rank, range).await;
-                        let cmd = ShardCmd::Recovered { worker_id, result };
-                        let _ = m.shards.send(shard, cmd).await;
-                    })
-                    .detach();
-                }
-                SourceCmd::Snapshot { reply } => {
-                    let m = Rc::clone(self);
-                    glommio::spawn_local(async move {
-                        let _ = reply.send_async(m.take_snapshot().await).await;
-                    })
-                    .detach();
-                }
-                SourceCmd::Stop => break,
-            }
-        }
     }
 
     /// Metrics messages: heartbeats only.
     async fn heartbeats(&self, sub: Subscription) {
         while let Some(msg) = sub.next().await {
             match Envelope::decode(&msg.payload).and_then(|env| metrics::heartbeat_worker(&env)) {
-                Ok(Some(w)) => self.workers.seen(w.worker_id, None, Instant::now()),
+                Ok(Some(w)) => {
+                    self.hub.workers.seen(w.worker_id, None, Instant::now());
+                    // Routable from its first heartbeat, before its first KV event.
+                    if self.hub.workers.first_sight(w) {
+                        self.hub.register(vec![w]).await;
+                    }
+                }
                 Ok(None) => {}
                 Err(e) => {
-                    self.bump(|s| s.decode_errors += 1);
+                    self.hub.bump(|s| s.decode_errors += 1);
                     tracing::debug!(error = %e, "undecodable metrics message");
                 }
             }
         }
-    }
-
-    /// Every 100 ms: removes silent workers, copies the client's counters, and says whether
-    /// the source is ready.
-    async fn liveness(&self, client: &Client) {
-        loop {
-            glommio::timer::sleep(Duration::from_millis(100)).await;
-            for w in self.workers.take_dead(Instant::now()) {
-                tracing::info!(worker_id = w, "worker silent: removing it");
-                let _ = self
-                    .shards
-                    .to_worker(w, ShardCmd::Remove { worker_id: w })
-                    .await;
-            }
-            let st = client.stats();
-            self.bump(|s| {
-                s.nats_dropped = st.dropped;
-                s.nats_reconnects = st.reconnects;
-            });
-            let consuming = self.cfg.durable.is_none() || self.durable.consumer_ready.get();
-            self.ready
-                .store(client.is_connected() && consuming, Ordering::Release);
-        }
-    }
-
-    /// A snapshot now, counted.
-    async fn take_snapshot(&self) -> Result<SnapshotInfo, SnapshotError> {
-        let result = self
-            .snapshots
-            .take(&self.shards, self.durable.dispatched_seq.get())
-            .await;
-        match &result {
-            Ok(_) => self.bump(|s| s.snapshots += 1),
-            Err(_) => self.bump(|s| s.snapshot_failures += 1),
-        }
-        result
     }
 
     /// One kv-events message: decoded and handed to the shards.
@@ -269,7 +186,7 @@ impl NatsSource {
         let (publisher, events) = match kv::decode_message(payload) {
             Ok((env, events)) => (env.publisher_id, events),
             Err(e) => {
-                self.bump(|s| {
+                self.hub.bump(|s| {
                     s.messages += 1;
                     s.decode_errors += 1;
                 });
@@ -277,25 +194,26 @@ impl NatsSource {
                 return;
             }
         };
-        self.bump(|s| s.messages += 1);
+        self.hub.bump(|s| s.messages += 1);
         for e in &events {
-            self.workers.seen(e.worker_id, None, arrived);
+            self.hub.workers.seen(e.worker_id, None, arrived);
         }
-        self.shards.events(events, publisher, arrived).await;
+        self.hub.shards.events(events, publisher, arrived).await;
     }
 
     async fn on_announcement(&self, a: Announcement) {
         if a.leaving {
-            self.workers.forget(a.worker_id);
+            self.hub.workers.forget(a.worker_id);
             let cmd = ShardCmd::Remove {
                 worker_id: a.worker_id,
             };
-            let _ = self.shards.to_worker(a.worker_id, cmd).await;
+            let _ = self.hub.shards.to_worker(a.worker_id, cmd).await;
             return;
         }
-        let known = self.workers.is_announced(a.worker_id);
+        let known = self.hub.workers.is_announced(a.worker_id);
         let heartbeat = Duration::from_millis(a.heartbeat_ms.max(1));
-        self.workers
+        self.hub
+            .workers
             .seen(a.worker_id, Some(heartbeat), Instant::now());
         let cmd = if !known {
             tracing::info!(
@@ -314,7 +232,7 @@ impl NatsSource {
         } else {
             return;
         };
-        let _ = self.shards.to_worker(a.worker_id, cmd).await;
+        let _ = self.hub.shards.to_worker(a.worker_id, cmd).await;
     }
 
     async fn recover(
@@ -324,7 +242,7 @@ impl NatsSource {
         dp_rank: Option<DpRank>,
         range: Option<(u64, u64)>,
     ) -> Recovered {
-        let subject = crate::worker::recovery_subject(&self.cfg.subjects, worker_id);
+        let subject = crate::worker::recovery_subject(&self.hub.cfg.subjects, worker_id);
         let req = RecoveryRequest {
             worker_id,
             dp_rank,
@@ -340,7 +258,7 @@ impl NatsSource {
         };
         let mut dump_events = Vec::new();
         loop {
-            let msg = match stream.next(self.cfg.recovery_timeout).await {
+            let msg = match stream.next(self.hub.cfg.recovery_timeout).await {
                 Ok(m) => m,
                 Err(e) => return Recovered::Failed(e.to_string()),
             };
@@ -371,7 +289,7 @@ impl NatsSource {
                     }
                 }
                 Err(e) => {
-                    self.bump(|s| s.decode_errors += 1);
+                    self.hub.bump(|s| s.decode_errors += 1);
                     return Recovered::Failed(e.to_string());
                 }
             }

@@ -7,7 +7,7 @@
 //! until the answer is applied; a snapshot dumps one worker at a time, applying what
 //! arrives in between.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use kvrouter_core::event::RouterEvent;
@@ -30,6 +30,9 @@ pub(super) struct ShardCore {
     /// Workers waiting for a recovery answer, with the events that arrived meanwhile
     /// (event, publisher).
     pub(super) recovering: HashMap<WorkerId, VecDeque<(RouterEvent, u64)>>,
+    /// Workers listed before (or without) any block: known from discovery, a static list
+    /// or a heartbeat.
+    pub(super) registered: HashSet<WorkerDp>,
     /// This core's counters (published to `published`).
     pub(super) stats: IngestStats,
     pub(super) counters: Arc<AllCounters>,
@@ -80,9 +83,16 @@ impl ShardCore {
     pub(super) fn publish(&mut self) {
         self.since_publish = 0;
         self.counters.core(self.index + 1).publish(&self.stats);
-        let (writer, ids) = (&self.writer, &self.ids);
+        let (writer, ids, registered) = (&self.writer, &self.ids, &self.registered);
         self.summaries.publish(|w| {
-            writer.summary(w).map(|s| WorkerSummary {
+            let s = writer.summary(w).or_else(|| {
+                registered.contains(&w).then_some(WorkerSummary {
+                    worker: w,
+                    blocks: 0,
+                    last_event_id: None,
+                })
+            })?;
+            Some(WorkerSummary {
                 last_event_id: ids.last(w),
                 ..s
             })
@@ -141,10 +151,20 @@ impl ShardCore {
                 self.ids.forget_worker(worker_id);
                 self.recovering.remove(&worker_id);
                 self.announced.remove(&worker_id);
+                self.registered.retain(|w| w.worker_id != worker_id);
                 self.map.release(worker_id);
                 self.stats.workers_removed += 1;
                 self.summaries.touch_worker(worker_id);
                 // Routing drops a removed worker as soon as it can see it gone.
+                self.publish();
+            }
+            ShardCmd::Register { workers } => {
+                for w in workers {
+                    if self.registered.insert(w) {
+                        self.summarize(w);
+                    }
+                }
+                // Routable as soon as the routing API can see it.
                 self.publish();
             }
             ShardCmd::Snapshot { reply } => {
@@ -390,6 +410,7 @@ mod tests {
             ids: EventIds::new(),
             announced: HashMap::new(),
             recovering: HashMap::new(),
+            registered: HashSet::new(),
             stats: IngestStats::default(),
             counters: AllCounters::new(2),
             source: flume::unbounded().0,

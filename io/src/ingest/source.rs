@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use kvrouter_core::event::RouterEvent;
 use kvrouter_core::index::tree::ShardMap;
-use kvrouter_core::worker::WorkerId;
+use kvrouter_core::worker::{WorkerDp, WorkerId};
 
 use super::messages::{ShardCmd, ShardPart};
 
@@ -143,6 +143,12 @@ pub(super) struct Liveness {
 #[derive(Debug)]
 pub(super) struct Workers {
     live: RefCell<HashMap<WorkerId, Liveness>>,
+    /// Workers whose liveness another signal vouches for (discovery lists them, or their
+    /// ZMQ connection is up): never removed for silence.
+    pinned: RefCell<HashMap<WorkerId, u32>>,
+    /// (Worker, dp rank)s already registered with their shard (so that a heartbeat
+    /// registers a worker once).
+    registered: RefCell<std::collections::HashSet<WorkerDp>>,
     /// Limit of a worker that never announced a heartbeat interval.
     silence_timeout: Duration,
     /// An announced worker's limit, in heartbeats.
@@ -157,6 +163,8 @@ impl Workers {
     ) -> Self {
         Self {
             live: RefCell::new(restored),
+            pinned: RefCell::default(),
+            registered: RefCell::default(),
             silence_timeout,
             heartbeat_misses,
         }
@@ -184,16 +192,47 @@ impl Workers {
             .is_some_and(|l| l.heartbeat.is_some())
     }
 
-    /// Forgets a worker (it said it is leaving).
+    /// Forgets a worker (it said it is leaving, or it was removed).
     pub(super) fn forget(&self, worker_id: WorkerId) {
         self.live.borrow_mut().remove(&worker_id);
+        self.registered
+            .borrow_mut()
+            .retain(|w| w.worker_id != worker_id);
+    }
+
+    /// Whether `w` is seen for the first time since it was registered or removed (the
+    /// caller registers it with its shard when so).
+    pub(super) fn first_sight(&self, w: WorkerDp) -> bool {
+        self.registered.borrow_mut().insert(w)
+    }
+
+    /// One more signal vouches for `worker_id`'s liveness.
+    pub(super) fn pin(&self, worker_id: WorkerId, now: Instant) {
+        *self.pinned.borrow_mut().entry(worker_id).or_insert(0) += 1;
+        self.seen(worker_id, None, now);
+    }
+
+    /// One signal fewer vouches for it; with none, silence removes it again (counted from
+    /// now).
+    pub(super) fn unpin(&self, worker_id: WorkerId, now: Instant) {
+        let mut p = self.pinned.borrow_mut();
+        if let Some(n) = p.get_mut(&worker_id) {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&worker_id);
+            }
+        }
+        drop(p);
+        self.seen(worker_id, None, now);
     }
 
     /// The workers past their limit at `now`, forgotten here (the caller removes them).
     pub(super) fn take_dead(&self, now: Instant) -> Vec<WorkerId> {
         let mut live = self.live.borrow_mut();
+        let pinned = self.pinned.borrow();
         let dead: Vec<WorkerId> = live
             .iter()
+            .filter(|(w, _)| !pinned.contains_key(w))
             .filter(|(_, l)| {
                 let limit = l
                     .heartbeat
@@ -205,6 +244,9 @@ impl Workers {
         for w in &dead {
             live.remove(w);
         }
+        drop((live, pinned));
+        let mut registered = self.registered.borrow_mut();
+        registered.retain(|w| !dead.contains(&w.worker_id));
         dead
     }
 }
@@ -227,5 +269,18 @@ mod tests {
         assert!(w.take_dead(t0 + Duration::from_secs(80)).is_empty());
         assert_eq!(w.take_dead(t0 + Duration::from_secs(91)), [1]);
         assert!(w.take_dead(t0 + Duration::from_secs(200)).is_empty());
+        // A pinned worker is never silent; unpinned, its limit counts from then.
+        w.pin(3, t0);
+        w.pin(3, t0);
+        assert!(w.take_dead(t0 + Duration::from_secs(500)).is_empty());
+        w.unpin(3, t0 + Duration::from_secs(500));
+        assert!(w.take_dead(t0 + Duration::from_secs(600)).is_empty());
+        w.unpin(3, t0 + Duration::from_secs(600));
+        assert!(w.take_dead(t0 + Duration::from_secs(650)).is_empty());
+        assert_eq!(w.take_dead(t0 + Duration::from_secs(661)), [3]);
+        let x = WorkerDp::new(4, 0);
+        assert!(w.first_sight(x) && !w.first_sight(x));
+        w.forget(4);
+        assert!(w.first_sight(x));
     }
 }

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# A Python venv with the real third-party peers the tests talk to: pyzmq (libzmq) and
+# msgspec, vLLM's serializer. Idempotent and safe to call from parallel tests; prints the
+# interpreter's path. The venv lives in target/ (git-ignored); KVROUTER_PYENV overrides.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=${KVROUTER_PYENV:-target/pyenv}
+mkdir -p "$(dirname "$V")"
+exec 9>"$V.lock"
+flock 9
+if ! "$V/bin/python" -c 'import zmq, msgspec' >/dev/null 2>&1; then
+    python3 -m venv "$V" >&2
+    "$V/bin/pip" install -q --disable-pip-version-check 'pyzmq>=26' 'msgspec>=0.18' >&2
+fi
+echo "$(cd "$V" && pwd)/bin/python"
