@@ -13,9 +13,10 @@ use kvrouter_core::codec::Subjects;
 use kvrouter_core::policy::{CostConfig, Herd};
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
-use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig};
+use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig, ZmqEngine};
 use kvrouter_io::nats::Options;
 use kvrouter_io::router::{self, RouterConfig};
+use kvrouter_io::zmq::Endpoint;
 use serde::{Deserialize, Serialize};
 
 /// Flags of `kvrouter serve`; each has an environment fallback and a key in the TOML file.
@@ -24,9 +25,23 @@ pub(crate) struct ServeArgs {
     /// TOML configuration file (keys as the long flags, with `_` for `-`).
     #[arg(long, env = "KVROUTER_CONFIG")]
     config: Option<PathBuf>,
-    /// NATS server URL.
+    /// NATS server URL (`off`: no NATS plane, no replica sync).
     #[arg(long, env = "KVROUTER_NATS")]
     nats: Option<String>,
+    /// An engine publishing vLLM-native KV events over ZMQ, repeated:
+    /// `NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,dp_start=R][,id=WORKER_ID]
+    /// [,block_size=N][,url=http://HOST:PORT]`. A wildcard host (`tcp://*:PORT`) is bound
+    /// for an engine that connects to us. Ranks are at port + i.
+    #[arg(
+        long = "zmq-engine",
+        env = "KVROUTER_ZMQ_ENGINES",
+        value_delimiter = ';'
+    )]
+    zmq_engines: Option<Vec<String>>,
+    /// Dynamo's discovery: `file:DIR` (its `DYN_FILE_KV` directory) for the workers and
+    /// its ZMQ event plane.
+    #[arg(long, env = "KVROUTER_DYNAMO_DISCOVERY")]
+    dynamo_discovery: Option<String>,
     /// NATS token.
     #[arg(long, env = "KVROUTER_NATS_TOKEN")]
     nats_token: Option<String>,
@@ -138,6 +153,9 @@ pub(crate) struct ServeConfig {
     /// Logged without any credentials it holds.
     #[serde(serialize_with = "redacted_url")]
     nats: String,
+    /// Engines on the vLLM-native ZMQ wire (TOML `[[engines]]`, or `--zmq-engine`).
+    engines: Vec<EngineEntry>,
+    dynamo_discovery: Option<String>,
     #[serde(skip_serializing)]
     nats_token: Option<String>,
     nats_user: Option<String>,
@@ -181,6 +199,8 @@ impl Default for ServeConfig {
         let cost = CostConfig::default();
         Self {
             nats: "nats://127.0.0.1:4222".into(),
+            engines: Vec::new(),
+            dynamo_discovery: None,
             nats_token: None,
             nats_user: None,
             nats_password: None,
@@ -218,6 +238,99 @@ impl Default for ServeConfig {
     }
 }
 
+/// One engine of the vLLM-native ZMQ wire, as the TOML file and `--zmq-engine` give it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct EngineEntry {
+    /// Its name (and, without `id`, the source of its worker id).
+    name: String,
+    /// Its worker id (default: derived from the name).
+    #[serde(default)]
+    id: Option<u64>,
+    /// Its KV-event publisher (`tcp://host:port`; a wildcard host is bound).
+    events: String,
+    /// Its replay socket.
+    #[serde(default)]
+    replay: Option<String>,
+    /// First dp rank.
+    #[serde(default)]
+    dp_start: u32,
+    /// Dp ranks (ports + 0, + 1, ...).
+    #[serde(default = "one")]
+    dp_size: u32,
+    /// Tokens per block (default: the router's `block_size`).
+    #[serde(default)]
+    block_size: Option<u32>,
+    /// Its OpenAI-compatible HTTP base URL.
+    #[serde(default)]
+    http_url: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl EngineEntry {
+    /// `NAME=ENDPOINT[,key=value...]`.
+    fn parse(spec: &str) -> anyhow::Result<EngineEntry> {
+        let (name, rest) = spec
+            .split_once('=')
+            .with_context(|| format!("--zmq-engine {spec:?}: expected NAME=tcp://HOST:PORT"))?;
+        let mut parts = rest.split(',');
+        let mut e = EngineEntry {
+            name: name.trim().to_owned(),
+            id: None,
+            events: parts.next().unwrap_or_default().trim().to_owned(),
+            replay: None,
+            dp_start: 0,
+            dp_size: 1,
+            block_size: None,
+            http_url: None,
+        };
+        for kv in parts {
+            let (k, v) = kv
+                .split_once('=')
+                .with_context(|| format!("--zmq-engine {spec:?}: {kv:?} is not key=value"))?;
+            let v = v.trim();
+            let num = || -> anyhow::Result<u64> {
+                v.parse()
+                    .with_context(|| format!("--zmq-engine {spec:?}: {k} {v:?}"))
+            };
+            match k.trim() {
+                "replay" => e.replay = Some(v.to_owned()),
+                "dp" | "dp_size" => e.dp_size = num()? as u32,
+                "dp_start" => e.dp_start = num()? as u32,
+                "id" => e.id = Some(num()?),
+                "block_size" => e.block_size = Some(num()? as u32),
+                "url" | "http_url" => e.http_url = Some(v.to_owned()),
+                other => anyhow::bail!("--zmq-engine {spec:?}: unknown key {other:?}"),
+            }
+        }
+        if e.name.is_empty() {
+            anyhow::bail!("--zmq-engine {spec:?}: the name is empty");
+        }
+        Ok(e)
+    }
+
+    fn engine(&self, block_size: u32) -> anyhow::Result<ZmqEngine> {
+        let endpoint =
+            |s: &str| Endpoint::parse(s).with_context(|| format!("engine {:?}", self.name));
+        let mut e = ZmqEngine::new(
+            self.name.clone(),
+            endpoint(&self.events)?,
+            self.block_size.unwrap_or(block_size),
+        );
+        if let Some(id) = self.id {
+            e.worker_id = id;
+        }
+        e.replay = self.replay.as_deref().map(endpoint).transpose()?;
+        e.dp_start = self.dp_start;
+        e.dp_size = self.dp_size.max(1);
+        e.http_url = self.http_url.clone();
+        Ok(e)
+    }
+}
+
 macro_rules! overlay {
     ($cfg:ident, $args:ident, $($field:ident),*) => {
         $( if let Some(v) = $args.$field.clone() { $cfg.$field = v; } )*
@@ -241,6 +354,13 @@ impl ServeConfig {
             }
             None => ServeConfig::default(),
         };
+        if let Some(list) = &args.zmq_engines {
+            cfg.engines = list
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| EngineEntry::parse(s))
+                .collect::<anyhow::Result<_>>()?;
+        }
         overlay!(
             cfg,
             args,
@@ -279,6 +399,7 @@ impl ServeConfig {
             auth_token,
             stream_name,
             consumer_name,
+            dynamo_discovery,
             snapshot_dir,
             max_active_decode_blocks,
             max_active_prefill_tokens
@@ -320,6 +441,25 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if cfg.durable_kv_events && !cfg.kv_events {
         anyhow::bail!("--durable-kv-events needs --kv-events true");
     }
+    let nats_on = !matches!(cfg.nats.trim(), "" | "off" | "none");
+    if !nats_on && cfg.durable_kv_events {
+        anyhow::bail!("--durable-kv-events needs NATS (--nats is off)");
+    }
+    if !nats_on && cfg.replica_sync {
+        tracing::info!("--nats off: replica sync is off too");
+        cfg.replica_sync = false;
+    }
+    let engines: Vec<ZmqEngine> = cfg
+        .engines
+        .iter()
+        .map(|e| e.engine(cfg.block_size))
+        .collect::<anyhow::Result<_>>()?;
+    let discovery = match cfg.dynamo_discovery.as_deref() {
+        None => None,
+        Some(d) => Some(PathBuf::from(d.strip_prefix("file:").with_context(
+            || format!("--dynamo-discovery {d:?}: only file:DIR is supported (etcd is not)"),
+        )?)),
+    };
     let random_id = cfg.router_id == 0;
     if cfg.router_id == 0 {
         let nanos = std::time::SystemTime::now()
@@ -370,7 +510,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let ingest = if cfg.kv_events {
         Some(
             Ingest::start(IngestConfig {
-                nats: Some(nats.clone()),
+                nats: nats_on.then(|| nats.clone()),
+                zmq_engines: engines,
+                dynamo_discovery: discovery,
                 subjects: subjects.clone(),
                 shards: cfg.shards,
                 cpus: cfg.cpus.iter().skip(1).copied().collect(),
@@ -469,4 +611,61 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engines_from_flags_and_toml() {
+        let e = EngineEntry::parse(
+            "vllm-0=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,dp=2,id=42,url=http://10.0.0.5:8000",
+        )
+        .unwrap();
+        let z = e.engine(16).unwrap();
+        assert_eq!(
+            (z.name.as_str(), z.worker_id, z.dp_size, z.block_size),
+            ("vllm-0", 42, 2, 16)
+        );
+        assert_eq!(z.replay.unwrap().addr, "10.0.0.5:5558");
+        assert_eq!(z.http_url.as_deref(), Some("http://10.0.0.5:8000"));
+        let bound = EngineEntry::parse("sglang=tcp://*:5600")
+            .unwrap()
+            .engine(64)
+            .unwrap();
+        assert!(bound.events.wildcard);
+        assert_eq!(bound.worker_id, ZmqEngine::id_of("sglang"));
+        for bad in [
+            "noequals",
+            "=tcp://h:1",
+            "a=tcp://h:1,dp",
+            "a=tcp://h:1,colour=red",
+        ] {
+            assert!(EngineEntry::parse(bad).is_err(), "{bad}");
+        }
+        assert!(EngineEntry::parse("a=nope").unwrap().engine(16).is_err());
+        let cfg: ServeConfig = toml::from_str(
+            r#"
+            nats = "off"
+            dynamo_discovery = "file:/var/lib/dynamo"
+            [[engines]]
+            name = "a"
+            events = "tcp://127.0.0.1:5557"
+            dp_size = 4
+            [[engines]]
+            name = "b"
+            id = 7
+            events = "tcp://*:5600"
+            block_size = 32
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.engines.len(), 2);
+        assert_eq!(cfg.engines[1].engine(16).unwrap().block_size, 32);
+        assert!(
+            toml::from_str::<ServeConfig>("[[engines]]\nname = \"a\"\nevents = \"x\"\nport = 1\n")
+                .is_err()
+        );
+    }
 }

@@ -1,0 +1,415 @@
+//! Against the real NVIDIA Dynamo 1.6.1 stack (`../shared/dynamo/`: `dynamo.mocker`,
+//! `dynamo.frontend`, `dynamo.llm.RadixTree`), on its default ZMQ event plane with file
+//! discovery: `kvrouter serve` lists the idle fleet within a second and routes to it, and
+//! after real traffic `/v1/overlaps` equals Dynamo's own RadixTree fed the same events,
+//! both for the router on Dynamo's plane and for one on the mocker's vLLM-native wire
+//! (`--zmq-kv-events-ports`, with replay).
+//!
+//! Slow (the stack takes seconds to start), so not part of `scripts/test.sh`: run by
+//! `scripts/dynamo-stack.sh`, which installs the stack and calls this test with the feature
+//! `dynamo-stack` and a time limit (CI does).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvrouter_tests::{free_port, http};
+use serde_json::{Value, json};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn env(name: &str) -> PathBuf {
+    PathBuf::from(std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run scripts/dynamo-stack.sh, which sets it")
+    }))
+}
+
+fn dynamo(venv: &Path, kv: &Path, args: &[&str], log: &Path) -> Proc {
+    let child = Command::new(venv.join("bin/python"))
+        .args(args)
+        .env("DYN_FILE_KV", kv)
+        .env("HF_HUB_OFFLINE", "1")
+        .envs(
+            [
+                "DYN_TCP_RPC_HOST",
+                "DYN_TCP_RESPONSE_STREAM_HOST",
+                "DYN_EVENT_PLANE_HOST",
+                "DYN_SYSTEM_HOST",
+            ]
+            .map(|k| (k, "127.0.0.1")),
+        )
+        .stdout(std::fs::File::create(log).unwrap())
+        .stderr(Stdio::from(
+            std::fs::File::create(log.with_extension("err")).unwrap(),
+        ))
+        .spawn()
+        .expect("python starts");
+    Proc(child)
+}
+
+/// A base port with its successor free too (a worker's two dp ranks).
+fn free_pair() -> u16 {
+    loop {
+        let p = free_port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+fn serve(args: &[&str]) -> (Proc, String, Instant) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args([
+            "serve",
+            "--nats",
+            "off",
+            "--listen",
+            "127.0.0.1:0",
+            "--block-size",
+            "16",
+        ])
+        .args(args)
+        .env("KVROUTER_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("kvrouter serve starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let started = Instant::now();
+    let addr = line.trim().rsplit("http://").next().unwrap().to_owned();
+    (Proc(child), addr, started)
+}
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn workers(addr: &str) -> Vec<(u64, u64, u64)> {
+    let (_, body) = http(addr, "GET", "/v1/workers", "", &[]);
+    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    v["workers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|w| {
+                    (
+                        w["worker_id"].as_u64().unwrap(),
+                        w["dp_rank"].as_u64().unwrap(),
+                        w["cached_blocks"].as_u64().unwrap(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn overlaps(addr: &str, q: &[u64]) -> HashMap<(u64, u64), u64> {
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/overlaps",
+        &json!({"block_hashes": q}).to_string(),
+        &[],
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["overlaps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                (
+                    o["worker_id"].as_u64().unwrap(),
+                    o["dp_rank"].as_u64().unwrap(),
+                ),
+                o["blocks"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Dynamo's RadixTree behind `tests/py/dynamo_tree.py`.
+struct Tree {
+    _p: Proc,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Tree {
+    fn ask(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap()
+    }
+
+    fn scores(&mut self, q: &[u64]) -> HashMap<(u64, u64), u64> {
+        let v = self.ask(json!({"op": "scores", "q": q}));
+        v.as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, n)| {
+                let (w, dp) = k.split_once('/').unwrap();
+                (
+                    (w.parse().unwrap(), dp.parse().unwrap()),
+                    n.as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
+    let venv = env("KVROUTER_DYNAMO_VENV");
+    let model = env("KVROUTER_DYNAMO_MODEL");
+    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let kv = root.join("kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    let (e0, e1, r0, r1) = (free_pair(), free_pair(), free_pair(), free_pair());
+    let ports = |a: u16, b: u16| format!("{a},{b}");
+    let model_s = model.to_string_lossy().to_string();
+    let _mocker = dynamo(
+        &venv,
+        &kv,
+        &[
+            "-m",
+            "dynamo.mocker",
+            "--model-path",
+            &model_s,
+            "--model-name",
+            "tiny",
+            "--num-workers",
+            "2",
+            "--block-size",
+            "16",
+            "--num-gpu-blocks-override",
+            "128",
+            "--data-parallel-size",
+            "2",
+            "--discovery-backend",
+            "file",
+            "--event-plane",
+            "zmq",
+            "--request-plane",
+            "tcp",
+            "--zmq-kv-events-ports",
+            &ports(e0, e1),
+            "--zmq-replay-ports",
+            &ports(r0, r1),
+        ],
+        &root.join("mocker.log"),
+    );
+    // The mocker is up once discovery lists its kv-events publishers.
+    let channels = |kv: &Path| {
+        std::fs::read_dir(kv.join("v1/event_channels"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().contains("kv%2Devents"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    wait_for("the mocker's publishers", Duration::from_secs(60), || {
+        channels(&kv) >= 4
+    });
+
+    // On Dynamo's plane, through discovery: the idle fleet is listed within a second.
+    let (_a, a, started) = serve(&["--dynamo-discovery", &format!("file:{}", kv.display())]);
+    wait_for("the idle fleet", Duration::from_secs(5), || {
+        workers(&a).len() == 4
+    });
+    let listed_after = started.elapsed();
+    assert!(listed_after < Duration::from_secs(1), "{listed_after:?}");
+    let (status, body) = http(
+        &a,
+        "POST",
+        "/v1/route",
+        r#"{"block_hashes": [1, 2, 3]}"#,
+        &[],
+    );
+    assert_eq!(status, 200, "{body}");
+    let chosen: Value = serde_json::from_str(&body).unwrap();
+    let ids: Vec<u64> = workers(&a).iter().map(|w| w.0).collect();
+    assert!(ids.contains(&chosen["worker_id"].as_u64().unwrap()));
+    assert_eq!(
+        http(
+            &a,
+            "POST",
+            &format!(
+                "/v1/requests/{}/free",
+                chosen["request_id"].as_str().unwrap()
+            ),
+            "",
+            &[]
+        )
+        .0,
+        200
+    );
+    // On the mocker's vLLM-native wire, with replay.
+    let engine = |name: &str, e: u16, r: u16| {
+        format!("{name}=tcp://127.0.0.1:{e},replay=tcp://127.0.0.1:{r},dp=2")
+    };
+    let (_b, b, _) = serve(&[
+        "--zmq-engine",
+        &engine("w0", e0, r0),
+        "--zmq-engine",
+        &engine("w1", e1, r1),
+    ]);
+    wait_for("the static engines", Duration::from_secs(5), || {
+        workers(&b).len() == 4
+    });
+
+    // Dynamo's own index on the same plane.
+    let mut child = Command::new(venv.join("bin/python"))
+        .arg(kvrouter_tests::repo_root().join("tests/py/dynamo_tree.py"))
+        .args([kv.to_string_lossy().as_ref(), "4"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "subscribed 4");
+    let mut tree = Tree {
+        _p: Proc(child),
+        stdin,
+        stdout,
+    };
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Real traffic: chat requests over three shared system prompts, through the frontend.
+    let port = free_port();
+    let _frontend = dynamo(
+        &venv,
+        &kv,
+        &[
+            "-m",
+            "dynamo.frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            &port.to_string(),
+            "--router-mode",
+            "round-robin",
+            "--discovery-backend",
+            "file",
+            "--event-plane",
+            "zmq",
+            "--request-plane",
+            "tcp",
+        ],
+        &root.join("frontend.log"),
+    );
+    let front = format!("127.0.0.1:{port}");
+    wait_for("the frontend", Duration::from_secs(60), || {
+        std::net::TcpStream::connect(&front).is_ok()
+            && http(&front, "GET", "/v1/models", "", &[])
+                .1
+                .contains("tiny")
+    });
+    for i in 0..30 {
+        let system = format!(
+            "You are assistant number {}. {}",
+            i % 3,
+            "Answer briefly. ".repeat(40)
+        );
+        let body = json!({
+            "model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("question {i}")}],
+        });
+        let (status, out) = http(
+            &front,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &[("Content-Type", "application/json")],
+        );
+        assert_eq!(status, 200, "{out}");
+    }
+    // Quiet: every router has every event once the counts stop moving.
+    let total = |addr: &str| workers(addr).iter().map(|w| w.2).sum::<u64>();
+    let mut last = (u64::MAX, u64::MAX, Value::Null);
+    wait_for("the indexes to settle", Duration::from_secs(30), || {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = (total(&a), total(&b), tree.ask(json!({"op": "count"})));
+        let same = now == last;
+        last = now;
+        same
+    });
+    assert!(
+        last.0 > 0 && last.0 == last.1,
+        "plane {} native {}",
+        last.0,
+        last.1
+    );
+
+    let paths: Vec<Vec<u64>> = serde_json::from_value(tree.ask(json!({"op": "paths"}))).unwrap();
+    assert!(paths.len() as u64 >= last.0 / 4, "{} paths", paths.len());
+    // Native worker ids are ours (from the engine names): map them to Dynamo's by the first
+    // answer that tells them apart, then hold every answer to that map.
+    let mut native_to_dynamo: HashMap<(u64, u64), (u64, u64)> = HashMap::new();
+    for q in &paths {
+        let want = tree.scores(q);
+        assert_eq!(
+            overlaps(&a, q),
+            want,
+            "plane router, query of {} blocks",
+            q.len()
+        );
+        let native = overlaps(&b, q);
+        assert_eq!(
+            native.len(),
+            want.len(),
+            "native router, query of {} blocks",
+            q.len()
+        );
+        for (w, n) in &native {
+            let candidates: Vec<(u64, u64)> = want
+                .iter()
+                .filter(|(_, m)| *m == n)
+                .map(|(k, _)| *k)
+                .collect();
+            match native_to_dynamo.get(w) {
+                Some(d) => assert_eq!(want.get(d), Some(n), "native {w:?} as {d:?}"),
+                None if candidates.len() == 1 => {
+                    native_to_dynamo.insert(*w, candidates[0]);
+                }
+                None => assert!(
+                    !candidates.is_empty(),
+                    "native {w:?}: {n} blocks nowhere in {want:?}"
+                ),
+            }
+        }
+    }
+    eprintln!(
+        "dynamo stack: idle fleet listed after {listed_after:?}; {} cached blocks on each router; {} queries equal Dynamo's RadixTree; native workers mapped {native_to_dynamo:?}",
+        last.0,
+        paths.len()
+    );
+    assert_eq!(
+        native_to_dynamo.len(),
+        4,
+        "every native worker was told apart"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,93 @@
+"""NVIDIA Dynamo 1.6.1's own index (dynamo.llm.RadixTree) fed from Dynamo's ZMQ event plane,
+for kvrouter's tests: it finds the kv-events publishers in the file-discovery tree
+(v1/event_channels), subscribes to each (pyzmq), applies every KV event to the RadixTree, and
+answers on stdin, one JSON line per command:
+
+  {"op": "paths"}              -> every stored block's local-hash path from its root
+  {"op": "scores", "q": [...]} -> {"WORKER/DP": blocks, ...} from RadixTree.find_matches
+  {"op": "count"}              -> {"events": N}
+
+Run with the interpreter of the venv ../shared/dynamo/setup.sh makes. Prints
+"subscribed N" once its N subscriptions are up.
+"""
+
+import glob
+import json
+import os
+import sys
+import threading
+
+import msgpack
+import zmq
+from dynamo.llm import RadixTree
+
+
+def channels(dir_, want):
+    out = []
+    for path in glob.glob(os.path.join(dir_, "v1", "event_channels", "*")):
+        with open(path) as f:
+            v = json.load(f)
+        if v.get("topic") == "kv-events" and v["transport"]["kind"] == "Zmq":
+            out.append(v["transport"]["config"]["endpoint"])
+    return sorted(set(out))[:want] if want else sorted(set(out))
+
+
+def main():
+    dir_, want = sys.argv[1], int(sys.argv[2])
+    eps = []
+    while len(eps) < want:
+        eps = channels(dir_, want)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    for ep in eps:
+        sub.connect(ep)
+    tree = RadixTree()
+    lock = threading.Lock()
+    # block hash -> (parent block hash, local hash), per worker
+    blocks = {}
+    state = {"events": 0}
+
+    def pump():
+        while True:
+            frames = sub.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"kv-events":
+                continue
+            env = msgpack.unpackb(frames[3][5:], raw=False)
+            for ev in msgpack.unpackb(env["payload"], raw=False, strict_map_key=False):
+                w = ev["worker_id"]
+                e = ev["event"]
+                with lock:
+                    tree.apply_event(w, json.dumps(e).encode())
+                    state["events"] += 1
+                    data = e["data"]
+                    if isinstance(data, dict) and "stored" in data:
+                        parent = data["stored"].get("parent_hash")
+                        for b in data["stored"]["blocks"]:
+                            blocks[(w, b["block_hash"])] = (parent, b["tokens_hash"])
+                            parent = b["block_hash"]
+
+    threading.Thread(target=pump, daemon=True).start()
+    print(f"subscribed {len(eps)}", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        with lock:
+            if cmd["op"] == "paths":
+                paths = []
+                for (w, h), (parent, local) in blocks.items():
+                    path = [local]
+                    while parent is not None and (w, parent) in blocks:
+                        parent, l = blocks[(w, parent)]
+                        path.append(l)
+                    paths.append(path[::-1])
+                out = paths
+            elif cmd["op"] == "scores":
+                r = tree.find_matches(cmd["q"])
+                out = {f"{w}/{dp}": n for (w, dp), n in r.scores.items()}
+            else:
+                out = {"events": state["events"]}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
