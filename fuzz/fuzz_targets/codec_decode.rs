@@ -1,9 +1,11 @@
-//! Every decoder of untrusted bytes: the event-plane envelope, kv-events (msgpack and
-//! JSON), replica sync, metrics, and replay-log lines. None may panic; whatever decodes
+//! Every decoder of untrusted bytes: the event-plane envelope (and its ZMQ-plane frame),
+//! kv-events (msgpack and JSON), the engines' native event batches (and their conversion
+//! to events), replica sync, metrics, and replay-log lines. None may panic; whatever decodes
 //! must encode again and decode to the same value.
 #![no_main]
 
-use kvrouter_core::codec::{Envelope, kv, metrics, replica};
+use kvrouter_core::codec::{self, Envelope, kv, metrics, replica, vllm};
+use kvrouter_core::engine::{Converter, Dropped};
 use kvrouter_core::replay::parse_line;
 use libfuzzer_sys::fuzz_target;
 
@@ -25,6 +27,13 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(events) = replica::decode(data) {
         let bytes = replica::encode_batch(&events).unwrap();
         assert_eq!(replica::decode(&bytes).unwrap(), events);
+    }
+    if let Ok(inner) = codec::zmq_plane_envelope(data) {
+        let _ = kv::decode_message(inner);
+    }
+    if let Ok(batch) = vllm::decode_batch(data) {
+        let mut d = Dropped::default();
+        let _ = Converter::new(1, 16).convert(batch, 0, &mut d);
     }
     let _ = metrics::decode_kv_metrics(data);
     let _ = metrics::decode_forward_pass(data);
