@@ -22,3 +22,4 @@ pub mod ingest;
 pub mod perf;
 pub mod recovery;
 pub mod route;
+pub mod zmq_ingest;

@@ -88,6 +88,28 @@ enum Cmd {
         #[arg(long)]
         rate: Option<f64>,
     },
+    /// End-to-end ingest of the vLLM-native ZMQ wire (pyzmq publishers play the log's
+    /// workers), next to a raw pyzmq SUB loop on the same messages
+    Zmq {
+        /// Replay log.
+        log: PathBuf,
+        /// Python with pyzmq (default: the venv of scripts/pyenv.sh, made when missing).
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Shard cores of the ingest.
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+        /// Runs (medians are printed).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Pace the publishers to this many block events per second; as fast as they go
+        /// when omitted.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Tokens per block on the wire (default: the log's block size).
+        #[arg(long)]
+        block_tokens: Option<usize>,
+    },
     /// Routing-API load generator over loopback, with the log's events loaded.
     Route {
         /// Replay log (events loaded, queries sent).
@@ -226,6 +248,14 @@ fn main() -> anyhow::Result<()> {
             runs,
             rate,
         } => ingest(&log, &nats, shards, runs, rate),
+        Cmd::Zmq {
+            log,
+            python,
+            shards,
+            runs,
+            rate,
+            block_tokens,
+        } => zmq(&log, python, shards, runs, rate, block_tokens),
         Cmd::Recovery {
             blocks,
             workers,
@@ -283,6 +313,46 @@ fn ingest(
     println!(
         "ingest ({shards} shard(s), median of {runs}): {:.2} M block events/s, arrival-to-visible p50 {:.0} us, \
          p99 {:.0} us; raw PUB/SUB of the same messages: {:.2} M block events/s (ingest/raw x{:.2})",
+        med(|r| r.ingest_block_events_per_s) / 1e6,
+        med(|r| r.visible_p50_ns as f64) / 1e3,
+        med(|r| r.visible_p99_ns as f64) / 1e3,
+        med(|r| r.raw_block_events_per_s) / 1e6,
+        med(|r| r.ingest_block_events_per_s / r.raw_block_events_per_s),
+    );
+    Ok(())
+}
+
+fn zmq(
+    log: &Path,
+    python: Option<PathBuf>,
+    shards: usize,
+    runs: usize,
+    rate: Option<f64>,
+    block_tokens: Option<usize>,
+) -> anyhow::Result<()> {
+    let python = match python {
+        Some(p) => p,
+        None => {
+            let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/pyenv.sh");
+            let out = std::process::Command::new("bash").arg(script).output()?;
+            anyhow::ensure!(out.status.success(), "scripts/pyenv.sh failed");
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        }
+    };
+    let loaded = LoadedLog::load(log)?;
+    let mut reports = Vec::new();
+    for run in 0..runs {
+        let r = kvrouter_bench::zmq_ingest::run(&loaded, &python, shards, rate, block_tokens)?;
+        eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
+        reports.push(r);
+    }
+    let med = |f: fn(&kvrouter_bench::zmq_ingest::ZmqIngestReport) -> f64| {
+        median(reports.iter().map(f).collect())
+    };
+    println!(
+        "zmq ingest ({shards} shard(s), {} tokens per block, median of {runs}): {:.2} M block events/s, arrival-to-visible p50 {:.0} us, \
+         p99 {:.0} us; raw pyzmq SUB of the same messages: {:.2} M block events/s (ingest/raw x{:.2})",
+        reports[0].block_tokens,
         med(|r| r.ingest_block_events_per_s) / 1e6,
         med(|r| r.visible_p50_ns as f64) / 1e3,
         med(|r| r.visible_p99_ns as f64) / 1e3,

@@ -64,6 +64,16 @@ pub enum CodecError {
         /// The topic in the envelope.
         found: String,
     },
+    /// Bytes our own MessagePack reader refused.
+    #[error("malformed {what} at byte {at}: {why}")]
+    Malformed {
+        /// What was being decoded.
+        what: &'static str,
+        /// Where.
+        at: usize,
+        /// Why.
+        why: &'static str,
+    },
     /// A ZMQ event-plane frame whose header does not match its length.
     #[error("malformed ZMQ event-plane frame ({0})")]
     Frame(&'static str),
@@ -86,6 +96,7 @@ impl CodecError {
             CodecError::Json { .. } => "json",
             CodecError::UnexpectedTopic { .. } => "topic",
             CodecError::Frame(_) => "frame",
+            CodecError::Malformed { .. } => "malformed",
             CodecError::Encode { .. } => "encode",
         }
     }

@@ -19,10 +19,11 @@
 //! 64-bit integers (folded to `u64` as two's complement) or as bytes (a raw digest: its last
 //! eight bytes, big-endian, as vLLM folds them). Events of an unknown type decode as
 //! [`EngineEvent::Unknown`], for the caller to count. Anything else malformed is a
-//! [`CodecError`] for the whole batch (fuzzed by `fuzz/fuzz_targets/codec_decode.rs`).
+//! [`CodecError`] for the whole batch (fuzzed by `fuzz/fuzz_targets/codec_decode.rs`). The
+//! decoder reads MessagePack directly, not through serde: a batch is mostly token ids, and
+//! one integer through serde cost several times what it costs here.
 
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use super::CodecError;
 
@@ -91,38 +92,419 @@ pub struct BlockRemoved {
 
 /// Decodes one payload.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, CodecError> {
-    super::from_msgpack::<EventBatch>("engine event batch", payload)
+    let mut r = Reader { b: payload, pos: 0 };
+    let batch = r.batch().map_err(|why| CodecError::Malformed {
+        what: "engine event batch",
+        at: r.pos,
+        why,
+    })?;
+    Ok(batch)
 }
 
-/// A block hash: an integer of either sign, or a digest's bytes.
-#[derive(Debug, Clone, Copy)]
-struct Hash(u64);
+/// A direct MessagePack reader for the batch: a prompt's token ids are thousands of
+/// integers, and read through serde each costs several times what its byte does (the
+/// decoder was the ingest's largest cost); here an integer is one match on its marker.
+/// Nesting is bounded ([`MAX_DEPTH`]) and every length is checked against the input.
+struct Reader<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
 
-impl<'de> Deserialize<'de> for Hash {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Hash;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a block hash (integer or bytes)")
+type R<T> = Result<T, &'static str>;
+
+/// Deepest nesting skipped inside a value we do not read.
+const MAX_DEPTH: u32 = 64;
+
+/// What a marker starts.
+enum Kind {
+    Nil,
+    Bool,
+    Int,
+    Float,
+    Str(usize),
+    Bin(usize),
+    Array(usize),
+    Map(usize),
+    Ext(usize),
+}
+
+impl<'a> Reader<'a> {
+    fn byte(&mut self) -> R<u8> {
+        let v = *self.b.get(self.pos).ok_or("truncated")?;
+        self.pos += 1;
+        Ok(v)
+    }
+
+    fn take(&mut self, n: usize) -> R<&'a [u8]> {
+        let end = self.pos.checked_add(n).ok_or("length overflow")?;
+        let s = self.b.get(self.pos..end).ok_or("truncated")?;
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn be(&mut self, n: usize) -> R<u64> {
+        let s = self.take(n)?;
+        let mut a = [0u8; 8];
+        a[8 - n..].copy_from_slice(s);
+        Ok(u64::from_be_bytes(a))
+    }
+
+    fn peek(&self) -> R<u8> {
+        self.b.get(self.pos).copied().ok_or("truncated")
+    }
+
+    /// The kind of the next value; its marker (and length bytes) consumed, except for
+    /// scalars, which stay to be read.
+    fn kind(&mut self) -> R<Kind> {
+        let m = self.peek()?;
+        let k = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => return Ok(Kind::Int),
+            0xc0 => return Ok(Kind::Nil),
+            0xc2 | 0xc3 => return Ok(Kind::Bool),
+            0xca | 0xcb => return Ok(Kind::Float),
+            _ => {
+                self.pos += 1;
+                match m {
+                    0x80..=0x8f => Kind::Map(usize::from(m & 0x0f)),
+                    0x90..=0x9f => Kind::Array(usize::from(m & 0x0f)),
+                    0xa0..=0xbf => Kind::Str(usize::from(m & 0x1f)),
+                    0xc4 => Kind::Bin(self.be(1)? as usize),
+                    0xc5 => Kind::Bin(self.be(2)? as usize),
+                    0xc6 => Kind::Bin(self.be(4)? as usize),
+                    0xc7 => Kind::Ext(self.be(1)? as usize + 1),
+                    0xc8 => Kind::Ext(self.be(2)? as usize + 1),
+                    0xc9 => Kind::Ext(self.be(4)? as usize + 1),
+                    0xd4 => Kind::Ext(2),
+                    0xd5 => Kind::Ext(3),
+                    0xd6 => Kind::Ext(5),
+                    0xd7 => Kind::Ext(9),
+                    0xd8 => Kind::Ext(17),
+                    0xd9 => Kind::Str(self.be(1)? as usize),
+                    0xda => Kind::Str(self.be(2)? as usize),
+                    0xdb => Kind::Str(self.be(4)? as usize),
+                    0xdc => Kind::Array(self.be(2)? as usize),
+                    0xdd => Kind::Array(self.be(4)? as usize),
+                    0xde => Kind::Map(self.be(2)? as usize),
+                    0xdf => Kind::Map(self.be(4)? as usize),
+                    _ => return Err("reserved marker"),
+                }
             }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Hash, E> {
-                Ok(Hash(v))
+        };
+        // A collection cannot hold more elements than bytes remain.
+        if let Kind::Array(n) | Kind::Map(n) = k
+            && n > self.b.len() - self.pos
+        {
+            return Err("collection longer than the input");
+        }
+        Ok(k)
+    }
+
+    /// An integer as `u64`, negative ones two's complement.
+    fn int(&mut self) -> R<u64> {
+        let m = self.byte()?;
+        Ok(match m {
+            0x00..=0x7f => u64::from(m),
+            0xe0..=0xff => i64::from(m as i8) as u64,
+            0xcc => self.be(1)?,
+            0xcd => self.be(2)?,
+            0xce => self.be(4)?,
+            0xcf => self.be(8)?,
+            0xd0 => i64::from(self.be(1)? as u8 as i8) as u64,
+            0xd1 => i64::from(self.be(2)? as u16 as i16) as u64,
+            0xd2 => i64::from(self.be(4)? as u32 as i32) as u64,
+            0xd3 => self.be(8)?,
+            _ => return Err("expected an integer"),
+        })
+    }
+
+    fn u32(&mut self) -> R<u32> {
+        let v = self.int()?;
+        u32::try_from(v).map_err(|_| "integer out of range")
+    }
+
+    fn nil(&mut self) -> R<bool> {
+        if self.peek()? == 0xc0 {
+            self.pos += 1;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn float(&mut self) -> R<f64> {
+        match self.peek()? {
+            0xca => {
+                self.pos += 1;
+                Ok(f64::from(f32::from_bits(self.be(4)? as u32)))
             }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Hash, E> {
-                Ok(Hash(v as u64))
+            0xcb => {
+                self.pos += 1;
+                Ok(f64::from_bits(self.be(8)?))
             }
-            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Hash, E> {
-                Ok(Hash(fold(v)))
+            _ => Ok(self.int()? as i64 as f64),
+        }
+    }
+
+    fn str(&mut self) -> R<&'a str> {
+        match self.kind()? {
+            Kind::Str(n) => std::str::from_utf8(self.take(n)?).map_err(|_| "invalid UTF-8"),
+            _ => Err("expected a string"),
+        }
+    }
+
+    fn opt_str(&mut self) -> R<Option<String>> {
+        if self.nil()? {
+            return Ok(None);
+        }
+        Ok(Some(self.str()?.to_owned()).filter(|s| !s.is_empty()))
+    }
+
+    fn opt_u32(&mut self) -> R<Option<u32>> {
+        if self.nil()? {
+            return Ok(None);
+        }
+        self.u32().map(Some)
+    }
+
+    /// Skips one value of any kind.
+    fn skip(&mut self, depth: u32) -> R<()> {
+        if depth > MAX_DEPTH {
+            return Err("nested too deep");
+        }
+        match self.kind()? {
+            Kind::Nil | Kind::Bool => self.pos += 1,
+            Kind::Int => {
+                self.int()?;
             }
-            fn visit_borrowed_bytes<E: de::Error>(self, v: &[u8]) -> Result<Hash, E> {
-                Ok(Hash(fold(v)))
+            Kind::Float => {
+                self.float()?;
             }
-            fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Hash, E> {
-                Ok(Hash(fold(&v)))
+            Kind::Str(n) | Kind::Bin(n) | Kind::Ext(n) => {
+                self.take(n)?;
+            }
+            Kind::Array(n) => {
+                for _ in 0..n {
+                    self.skip(depth + 1)?;
+                }
+            }
+            Kind::Map(n) => {
+                for _ in 0..2 * n {
+                    self.skip(depth + 1)?;
+                }
             }
         }
-        d.deserialize_any(V)
+        Ok(())
+    }
+
+    /// A block hash: an integer, or a digest's bytes folded as vLLM folds them.
+    fn hash(&mut self) -> R<u64> {
+        match self.kind()? {
+            Kind::Int => self.int(),
+            Kind::Bin(n) | Kind::Str(n) => Ok(fold(self.take(n)?)),
+            _ => Err("expected a block hash"),
+        }
+    }
+
+    fn hashes(&mut self) -> R<Vec<u64>> {
+        if self.nil()? {
+            return Ok(Vec::new());
+        }
+        let Kind::Array(n) = self.kind()? else {
+            return Err("expected a list of block hashes");
+        };
+        (0..n).map(|_| self.hash()).collect()
+    }
+
+    /// Token ids, or EAGLE's pairs (the firsts, then the last second).
+    fn tokens(&mut self) -> R<Vec<u32>> {
+        if self.nil()? {
+            return Ok(Vec::new());
+        }
+        let Kind::Array(n) = self.kind()? else {
+            return Err("expected token ids");
+        };
+        let mut ids = Vec::with_capacity(n + 1);
+        let mut last_second = None;
+        let mut left = n;
+        while left > 0 {
+            // The hot loop: plain ids read straight off the bytes by their marker, with the
+            // position in a local (one bounds check per id).
+            let b = self.b;
+            let mut p = self.pos;
+            while left > 0 {
+                let (id, len) = match b.get(p..p + 5).or_else(|| b.get(p..)) {
+                    Some([m @ 0x00..=0x7f, ..]) => (u32::from(*m), 1),
+                    Some([0xcc, x, ..]) => (u32::from(*x), 2),
+                    Some([0xcd, x, y, ..]) => (u32::from(u16::from_be_bytes([*x, *y])), 3),
+                    Some([0xce, x, y, z, w]) => (u32::from_be_bytes([*x, *y, *z, *w]), 5),
+                    _ => break,
+                };
+                ids.push(id);
+                p += len;
+                left -= 1;
+            }
+            self.pos = p;
+            if left == 0 {
+                break;
+            }
+            // Anything else: an EAGLE pair, or an id in another encoding (or an error).
+            left -= 1;
+            if matches!(self.peek()?, 0x90..=0x9f | 0xdc | 0xdd) {
+                let Kind::Array(k) = self.kind()? else {
+                    return Err("expected an EAGLE pair");
+                };
+                if k < 2 {
+                    return Err("an EAGLE pair of fewer than two ids");
+                }
+                ids.push(self.u32()?);
+                last_second = Some(self.u32()?);
+                for _ in 2..k {
+                    self.skip(1)?;
+                }
+            } else {
+                ids.push(self.u32()?);
+            }
+        }
+        ids.extend(last_second);
+        Ok(ids)
+    }
+
+    /// vLLM's `lora_name` (a string) or SGLang's metadata map (`cache_salt`) at one slot.
+    fn lora_or_meta(&mut self, f: &mut Fields) -> R<()> {
+        match self.kind()? {
+            Kind::Nil => self.pos += 1,
+            Kind::Str(n) => {
+                let s = std::str::from_utf8(self.take(n)?).map_err(|_| "invalid UTF-8")?;
+                f.lora_name = Some(s.to_owned()).filter(|s| !s.is_empty());
+            }
+            Kind::Map(n) => {
+                for _ in 0..n {
+                    if self.str()? == "cache_salt" {
+                        f.cache_salt = self.opt_str()?;
+                    } else {
+                        self.skip(1)?;
+                    }
+                }
+            }
+            _ => return Err("expected lora_name"),
+        }
+        Ok(())
+    }
+
+    /// One field of an event, by name.
+    fn field(&mut self, name: &str, f: &mut Fields) -> R<()> {
+        match name {
+            "block_hashes" => f.block_hashes = self.hashes()?,
+            "parent_block_hash" => {
+                f.parent_block_hash = if self.nil()? {
+                    None
+                } else {
+                    Some(self.hash()?)
+                }
+            }
+            "token_ids" => f.token_ids = self.tokens()?,
+            "block_size" => f.block_size = self.opt_u32()?,
+            "medium" => f.medium = self.opt_str()?,
+            "lora_name" => self.lora_or_meta(f)?,
+            "group_idx" => f.group_idx = self.opt_u32()?,
+            "kv_cache_spec_kind" => f.kv_cache_spec_kind = self.opt_str()?,
+            "locality" => f.locality = self.opt_str()?,
+            "cache_salt" => f.cache_salt = self.opt_str()?,
+            _ => self.skip(1)?,
+        }
+        Ok(())
+    }
+
+    fn event(&mut self) -> R<EngineEvent> {
+        let mut f = Fields::default();
+        match self.kind()? {
+            Kind::Array(n) => {
+                if n == 0 {
+                    return Err("an event without its tag");
+                }
+                let tag = self.str()?;
+                let names = match tag {
+                    "BlockStored" => STORED,
+                    "BlockRemoved" => REMOVED,
+                    _ => &[],
+                };
+                for i in 1..n {
+                    match names.get(i - 1) {
+                        Some(name) => self.field(name, &mut f)?,
+                        // Newer trailing fields, and every field of an unknown event.
+                        None => self.skip(1)?,
+                    }
+                }
+                Ok(f.into_event(tag))
+            }
+            Kind::Map(n) => {
+                let mut tag = None;
+                for _ in 0..n {
+                    let key = self.str()?;
+                    if key == "type" {
+                        tag = Some(self.str()?);
+                    } else {
+                        self.field(key, &mut f)?;
+                    }
+                }
+                Ok(f.into_event(tag.ok_or("an event without its type")?))
+            }
+            _ => Err("expected an event (array or map)"),
+        }
+    }
+
+    fn events(&mut self) -> R<Vec<EngineEvent>> {
+        let Kind::Array(n) = self.kind()? else {
+            return Err("expected a list of events");
+        };
+        (0..n).map(|_| self.event()).collect()
+    }
+
+    fn rank(&mut self) -> R<Option<u32>> {
+        self.opt_u32()
+    }
+
+    fn batch(&mut self) -> R<EventBatch> {
+        let batch = match self.kind()? {
+            Kind::Array(n) => {
+                if n < 2 {
+                    return Err("a batch of fewer than two elements");
+                }
+                let ts = self.float()?;
+                let events = self.events()?;
+                let dp_rank = if n > 2 { self.rank()? } else { None };
+                for _ in 3..n {
+                    self.skip(1)?;
+                }
+                EventBatch {
+                    ts,
+                    events,
+                    dp_rank,
+                }
+            }
+            Kind::Map(n) => {
+                let (mut ts, mut events, mut dp_rank) = (0.0, None, None);
+                for _ in 0..n {
+                    match self.str()? {
+                        "ts" => ts = self.float()?,
+                        "events" => events = Some(self.events()?),
+                        "data_parallel_rank" | "attn_dp_rank" | "dp_rank" => {
+                            dp_rank = self.rank()?
+                        }
+                        _ => self.skip(1)?,
+                    }
+                }
+                EventBatch {
+                    ts,
+                    events: events.ok_or("a batch without events")?,
+                    dp_rank,
+                }
+            }
+            _ => return Err("expected a batch (array or map)"),
+        };
+        if self.pos != self.b.len() {
+            return Err("trailing bytes after the batch");
+        }
+        Ok(batch)
     }
 }
 
@@ -133,101 +515,15 @@ pub fn fold(bytes: &[u8]) -> u64 {
     tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
 }
 
-/// Token ids, or EAGLE's pairs (of which the firsts and the last second are the ids).
-#[derive(Debug, Default)]
-struct Tokens(Vec<u32>);
-
-impl<'de> Deserialize<'de> for Tokens {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum One {
-            Id(u32),
-            Pair(u32, u32),
-        }
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Tokens;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("token ids")
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Tokens, E> {
-                Ok(Tokens(Vec::new()))
-            }
-            fn visit_none<E: de::Error>(self) -> Result<Tokens, E> {
-                Ok(Tokens(Vec::new()))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Tokens, A::Error> {
-                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
-                let mut last_second = None;
-                while let Some(t) = seq.next_element::<TokenId>()? {
-                    match t {
-                        TokenId(first, second) => {
-                            ids.push(first);
-                            last_second = second;
-                        }
-                    }
-                }
-                if let Some(s) = last_second {
-                    ids.push(s);
-                }
-                Ok(Tokens(ids))
-            }
-        }
-        /// A token id, or an EAGLE pair (first, second).
-        struct TokenId(u32, Option<u32>);
-        impl<'de> Deserialize<'de> for TokenId {
-            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                Ok(match One::deserialize(d)? {
-                    One::Id(t) => TokenId(t, None),
-                    One::Pair(a, b) => TokenId(a, Some(b)),
-                })
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// Where SGLang's metadata map or vLLM's `lora_name` sits.
-#[derive(Debug, Default)]
-struct LoraOrMeta {
-    lora_name: Option<String>,
-    cache_salt: Option<String>,
-}
-
-impl<'de> Deserialize<'de> for LoraOrMeta {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Either {
-            Name(Option<String>),
-            Meta {
-                #[serde(default)]
-                cache_salt: Option<String>,
-            },
-        }
-        Ok(match Either::deserialize(d)? {
-            Either::Name(lora_name) => LoraOrMeta {
-                lora_name,
-                cache_salt: None,
-            },
-            Either::Meta { cache_salt } => LoraOrMeta {
-                lora_name: None,
-                cache_salt,
-            },
-        })
-    }
-}
-
 /// Every field an event may carry, by name (the map form) or position (the array form).
 #[derive(Debug, Default)]
 struct Fields {
-    block_hashes: Option<Vec<Hash>>,
-    parent_block_hash: Option<Hash>,
-    token_ids: Tokens,
+    block_hashes: Vec<u64>,
+    parent_block_hash: Option<u64>,
+    token_ids: Vec<u32>,
     block_size: Option<u32>,
     medium: Option<String>,
-    lora: LoraOrMeta,
+    lora_name: Option<String>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
     locality: Option<String>,
@@ -252,159 +548,28 @@ const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx"];
 
 impl Fields {
     fn into_event(self, tag: &str) -> EngineEvent {
-        let hashes = self
-            .block_hashes
-            .unwrap_or_default()
-            .into_iter()
-            .map(|h| h.0)
-            .collect();
         match tag {
             "BlockStored" => EngineEvent::Stored(BlockStored {
-                block_hashes: hashes,
-                parent_block_hash: self.parent_block_hash.map(|h| h.0),
-                token_ids: self.token_ids.0,
+                block_hashes: self.block_hashes,
+                parent_block_hash: self.parent_block_hash,
+                token_ids: self.token_ids,
                 block_size: self.block_size.unwrap_or(0),
-                lora_name: self.lora.lora_name.filter(|n| !n.is_empty()),
-                medium: self.medium.filter(|m| !m.is_empty()),
+                lora_name: self.lora_name,
+                medium: self.medium,
                 group_idx: self.group_idx,
                 kv_cache_spec_kind: self.kv_cache_spec_kind,
                 locality: self.locality,
-                cache_salt: self.cache_salt.or(self.lora.cache_salt),
+                cache_salt: self.cache_salt,
             }),
             "BlockRemoved" => EngineEvent::Removed(BlockRemoved {
-                block_hashes: hashes,
-                medium: self.medium.filter(|m| !m.is_empty()),
+                block_hashes: self.block_hashes,
+                medium: self.medium,
                 group_idx: self.group_idx,
                 locality: self.locality,
             }),
             "AllBlocksCleared" => EngineEvent::AllCleared,
             other => EngineEvent::Unknown(other.to_owned()),
         }
-    }
-}
-
-macro_rules! field {
-    ($fields:ident, $name:expr, $next:expr) => {
-        match $name {
-            "block_hashes" => $fields.block_hashes = $next,
-            "parent_block_hash" => $fields.parent_block_hash = $next,
-            "token_ids" => $fields.token_ids = $next,
-            "block_size" => $fields.block_size = $next,
-            "medium" => $fields.medium = $next,
-            "lora_name" => $fields.lora = $next,
-            "group_idx" => $fields.group_idx = $next,
-            "kv_cache_spec_kind" => $fields.kv_cache_spec_kind = $next,
-            "locality" => $fields.locality = $next,
-            "cache_salt" => $fields.cache_salt = $next,
-            _ => {
-                let _: IgnoredAny = $next;
-            }
-        }
-    };
-}
-
-impl<'de> Deserialize<'de> for EngineEvent {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = EngineEvent;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a KV event (tagged map or array)")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<EngineEvent, A::Error> {
-                let tag: String = seq
-                    .next_element()?
-                    .ok_or_else(|| de::Error::invalid_length(0, &"a tag"))?;
-                let names = match tag.as_str() {
-                    "BlockStored" => STORED,
-                    "BlockRemoved" => REMOVED,
-                    _ => &[],
-                };
-                let mut f = Fields::default();
-                for &name in names {
-                    let done = (|| -> Result<bool, A::Error> {
-                        macro_rules! next {
-                            () => {
-                                match seq.next_element()? {
-                                    Some(v) => v,
-                                    None => return Ok(true),
-                                }
-                            };
-                        }
-                        field!(f, name, next!());
-                        Ok(false)
-                    })()?;
-                    if done {
-                        return Ok(f.into_event(&tag));
-                    }
-                }
-                // Newer trailing fields, and every field of an unknown event.
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(f.into_event(&tag))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EngineEvent, A::Error> {
-                let mut tag: Option<String> = None;
-                let mut f = Fields::default();
-                while let Some(key) = map.next_key::<String>()? {
-                    if key == "type" {
-                        tag = Some(map.next_value()?);
-                        continue;
-                    }
-                    field!(f, key.as_str(), map.next_value()?);
-                }
-                let tag = tag.ok_or_else(|| de::Error::missing_field("type"))?;
-                Ok(f.into_event(&tag))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for EventBatch {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = EventBatch;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("an EventBatch [ts, events, dp_rank]")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<EventBatch, A::Error> {
-                let ts: f64 = seq
-                    .next_element()?
-                    .ok_or_else(|| de::Error::invalid_length(0, &"ts, events"))?;
-                let events: Vec<EngineEvent> = seq
-                    .next_element()?
-                    .ok_or_else(|| de::Error::invalid_length(1, &"ts, events"))?;
-                let dp_rank: Option<u32> = seq.next_element::<Option<u32>>()?.flatten();
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(EventBatch {
-                    ts,
-                    events,
-                    dp_rank,
-                })
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EventBatch, A::Error> {
-                let (mut ts, mut events, mut dp_rank) = (None, None, None);
-                while let Some(key) = map.next_key::<String>()? {
-                    match key.as_str() {
-                        "ts" => ts = Some(map.next_value()?),
-                        "events" => events = Some(map.next_value()?),
-                        "data_parallel_rank" | "attn_dp_rank" | "dp_rank" => {
-                            dp_rank = map.next_value::<Option<u32>>()?
-                        }
-                        _ => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
-                    }
-                }
-                Ok(EventBatch {
-                    ts: ts.unwrap_or(0.0),
-                    events: events.ok_or_else(|| de::Error::missing_field("events"))?,
-                    dp_rank,
-                })
-            }
-        }
-        d.deserialize_any(V)
     }
 }
 
