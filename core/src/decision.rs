@@ -64,6 +64,42 @@ pub enum Selection {
     LeastLoaded,
 }
 
+/// What one client may make the decider hold. Each bounds memory or work a request can
+/// pin: a request's blocks stay in the slot manager until it is freed or goes stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Blocks per request (65,536: a 1 M-token prompt at 16 tokens per block is 62,500).
+    pub max_blocks: usize,
+    /// Active requests in all (65,536).
+    pub max_active_requests: usize,
+    /// Active requests per (worker, dp rank); a worker with as many is not a candidate
+    /// (4,096).
+    pub max_active_per_worker: usize,
+    /// Bytes of a request id (256).
+    pub max_request_id_bytes: usize,
+}
+
+impl Limits {
+    /// No limits (the harness's simulations, which model their own queues).
+    pub const NONE: Limits = Limits {
+        max_blocks: usize::MAX,
+        max_active_requests: usize::MAX,
+        max_active_per_worker: usize::MAX,
+        max_request_id_bytes: usize::MAX,
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_blocks: 65_536,
+            max_active_requests: 65_536,
+            max_active_per_worker: 4_096,
+            max_request_id_bytes: 256,
+        }
+    }
+}
+
 /// Settings of a [`Decider`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeciderConfig {
@@ -83,6 +119,8 @@ pub struct DeciderConfig {
     /// Prefix of the request ids the decider makes up (`{prefix:x}-{n}`): the router id,
     /// so that replicas never make up the same id.
     pub id_prefix: u64,
+    /// What one request may hold.
+    pub limits: Limits,
 }
 
 impl Default for DeciderConfig {
@@ -95,6 +133,7 @@ impl Default for DeciderConfig {
             stale_after_ms: 600_000,
             seed: 0,
             id_prefix: 0,
+            limits: Limits::default(),
         }
     }
 }
@@ -139,6 +178,56 @@ pub enum DecideError {
     /// The request id is already active.
     #[error(transparent)]
     Slot(#[from] SlotError),
+    /// The request has more blocks than [`Limits::max_blocks`].
+    #[error("the request has {blocks} blocks, more than the limit of {max}")]
+    TooManyBlocks {
+        /// Its blocks.
+        blocks: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The request id is empty, too long, or holds control characters.
+    #[error("invalid request id: {0}")]
+    BadRequestId(&'static str),
+    /// [`Limits::max_active_requests`] requests are active.
+    #[error("{max} requests are active already: retry later")]
+    Overloaded {
+        /// The limit.
+        max: usize,
+    },
+    /// Every candidate has [`Limits::max_active_per_worker`] active requests.
+    #[error("every worker has {max} active requests: retry later")]
+    WorkersFull {
+        /// The limit.
+        max: usize,
+    },
+}
+
+impl DecideError {
+    /// Whether the request itself is at fault (`false`: the fleet is, for now).
+    pub fn is_client_error(&self) -> bool {
+        !matches!(
+            self,
+            DecideError::NoWorkers
+                | DecideError::Overloaded { .. }
+                | DecideError::WorkersFull { .. }
+        )
+    }
+}
+
+/// Whether `id` may name a request: 1 to `max` bytes, no control characters (so that it
+/// round-trips through a percent-encoded path and never breaks a log line).
+pub fn check_request_id(id: &str, max: usize) -> Result<(), DecideError> {
+    if id.is_empty() {
+        return Err(DecideError::BadRequestId("empty"));
+    }
+    if id.len() > max {
+        return Err(DecideError::BadRequestId("too long"));
+    }
+    if id.chars().any(char::is_control) {
+        return Err(DecideError::BadRequestId("control characters"));
+    }
+    Ok(())
 }
 
 /// See the [module docs](self).
@@ -157,8 +246,10 @@ pub struct Decider {
 impl Decider {
     /// A decider with no active requests.
     pub fn new(cfg: DeciderConfig) -> Self {
+        let mut slots = Slots::new(cfg.stale_after_ms);
+        slots.set_worker_cap(cfg.limits.max_active_per_worker as u64);
         Self {
-            slots: Slots::new(cfg.stale_after_ms),
+            slots,
             approx: cfg.approximate.map(ApproxIndex::new),
             rng: Rng::new(cfg.seed),
             next_request: 0,
@@ -203,6 +294,16 @@ impl Decider {
         }
     }
 
+    /// Refuses a request of `blocks` blocks past [`Limits::max_blocks`]: a front checks
+    /// before it hashes or looks anything up.
+    pub fn check_blocks(&self, blocks: usize) -> Result<(), DecideError> {
+        let max = self.cfg.limits.max_blocks;
+        if blocks > max {
+            return Err(DecideError::TooManyBlocks { blocks, max });
+        }
+        Ok(())
+    }
+
     /// The overlaps the last decision (or [`Self::overlaps`]) saw.
     pub fn last_overlaps(&self) -> &OverlapScores {
         &self.overlaps
@@ -219,13 +320,39 @@ impl Decider {
         blocks: Vec<u64>,
         now_ms: u64,
     ) -> Result<Decision, DecideError> {
+        let limits = self.cfg.limits;
+        self.check_blocks(route.locals.len())?;
+        if let Some(id) = route.request_id {
+            check_request_id(id, limits.max_request_id_bytes)?;
+            if self.slots.worker_of(id).is_some() {
+                return Err(SlotError::DuplicateRequest(id.into()).into());
+            }
+        }
+        if self.slots.active_requests() >= limits.max_active_requests {
+            return Err(DecideError::Overloaded {
+                max: limits.max_active_requests,
+            });
+        }
+        // Full workers are no candidates; the common case (none full) copies nothing.
+        let all = workers;
+        let open: Vec<WorkerDp>;
+        let workers = if self.slots.any_full() {
+            open = workers
+                .iter()
+                .copied()
+                .filter(|&w| !self.slots.is_full(w))
+                .collect();
+            if open.is_empty() && !workers.is_empty() {
+                return Err(DecideError::WorkersFull {
+                    max: limits.max_active_per_worker,
+                });
+            }
+            &open[..]
+        } else {
+            workers
+        };
         if workers.is_empty() {
             return Err(DecideError::NoWorkers);
-        }
-        if let Some(id) = route.request_id
-            && self.slots.worker_of(id).is_some()
-        {
-            return Err(SlotError::DuplicateRequest(id.into()).into());
         }
         self.look_up(index, route.locals, now_ms);
         let mut scored = None;
@@ -260,6 +387,12 @@ impl Decider {
             }
         };
         let worker = workers[position];
+        // The position among the candidates the caller gave.
+        let position = if workers.len() == all.len() {
+            position
+        } else {
+            all.iter().position(|&w| w == worker).unwrap_or(position)
+        };
         let overlap_blocks = self.overlaps.get(worker);
         let cached_tokens = u64::from(overlap_blocks) * u64::from(self.cfg.block_size);
         let prefill_tokens = route.tokens.saturating_sub(cached_tokens);
@@ -318,7 +451,10 @@ impl Decider {
     }
 
     /// Applies another replica's slot change (its own messages are the caller's to skip).
-    /// Returns the worker it concerned, or why it did not apply.
+    /// Returns the worker it concerned, or why it did not apply. The limits hold here too:
+    /// past [`Limits::max_active_requests`] an add is refused, and a prompt longer than
+    /// [`Limits::max_blocks`] is kept as its first `max_blocks` blocks (its load is then
+    /// undercounted, never its request lost: its free still finds it).
     pub fn apply_replica(
         &mut self,
         e: ActiveSequenceEvent,
@@ -331,19 +467,21 @@ impl Decider {
                 prefill_load_hint,
                 ..
             } => {
+                let limits = self.cfg.limits;
+                if self.slots.active_requests() >= limits.max_active_requests {
+                    return Err(SlotError::Full {
+                        max: limits.max_active_requests,
+                    });
+                }
+                let mut blocks = token_sequence.unwrap_or_default();
+                blocks.truncate(limits.max_blocks);
                 let prefill = if track_prefill_tokens {
                     prefill_load_hint.map_or(0, |h| h.initial_effective_prefill_tokens)
                 } else {
                     0
                 };
                 self.slots
-                    .add(
-                        &e.request_id,
-                        e.worker,
-                        token_sequence.unwrap_or_default(),
-                        prefill,
-                        now_ms,
-                    )
+                    .add(&e.request_id, e.worker, blocks, prefill, now_ms)
                     .map(|()| e.worker)
             }
             ActiveSequenceEventData::MarkPrefillCompleted => {
@@ -523,5 +661,107 @@ mod tests {
         assert_eq!(d.slots().active_requests(), 0);
         assert_eq!(d.overlaps(None, &l, 1).get(out.worker), 0);
         assert!(d.free(&out.request_id).is_err());
+    }
+
+    #[test]
+    fn limits_refuse_with_their_cause() {
+        let mut d = Decider::new(DeciderConfig {
+            limits: Limits {
+                max_blocks: 3,
+                max_active_requests: 3,
+                max_active_per_worker: 1,
+                max_request_id_bytes: 8,
+            },
+            ..Default::default()
+        });
+        let l = locals(&[1, 2, 3, 4]);
+        assert_eq!(
+            d.decide(None, &W, route(&l, None), seqs(&l), 0)
+                .unwrap_err(),
+            DecideError::TooManyBlocks { blocks: 4, max: 3 }
+        );
+        let l = locals(&[1, 2]);
+        for (id, why) in [
+            ("", "empty"),
+            ("123456789", "too long"),
+            ("a\nb", "control characters"),
+        ] {
+            assert_eq!(
+                d.decide(None, &W, route(&l, Some(id)), seqs(&l), 0)
+                    .unwrap_err(),
+                DecideError::BadRequestId(why)
+            );
+        }
+        // One request per worker: each decision takes a worker the others do not have,
+        // reported at its position among the candidates given.
+        let mut taken = Vec::new();
+        for i in 0..3 {
+            let out = d
+                .decide(None, &W, route(&l, Some(&format!("r{i}"))), seqs(&l), 0)
+                .unwrap();
+            assert_eq!(W[out.position], out.worker);
+            assert!(!taken.contains(&out.worker));
+            taken.push(out.worker);
+        }
+        let err = d
+            .decide(None, &W, route(&l, Some("r3")), seqs(&l), 0)
+            .unwrap_err();
+        assert_eq!(err, DecideError::Overloaded { max: 3 });
+        assert!(!err.is_client_error());
+        d.free("r0").unwrap();
+        // Two workers full, the free one is chosen; then all are full.
+        let out = d
+            .decide(None, &W, route(&l, Some("r4")), seqs(&l), 0)
+            .unwrap();
+        assert_eq!(out.worker, taken[0]);
+        d.free("r4").unwrap();
+        d.free("r1").unwrap();
+        let mut e = Decider::new(DeciderConfig {
+            limits: Limits {
+                max_active_per_worker: 1,
+                ..Limits::default()
+            },
+            ..Default::default()
+        });
+        for i in 0..3 {
+            e.decide(None, &W, route(&l, Some(&format!("r{i}"))), seqs(&l), 0)
+                .unwrap();
+        }
+        assert_eq!(
+            e.decide(None, &W, route(&l, Some("r9")), seqs(&l), 0)
+                .unwrap_err(),
+            DecideError::WorkersFull { max: 1 }
+        );
+    }
+
+    #[test]
+    fn replicas_are_held_to_the_limits() {
+        let mut d = Decider::new(DeciderConfig {
+            limits: Limits {
+                max_blocks: 2,
+                max_active_requests: 1,
+                ..Limits::default()
+            },
+            ..Default::default()
+        });
+        let add = |id: &str| ActiveSequenceEvent {
+            request_id: id.into(),
+            worker: W[0],
+            data: ActiveSequenceEventData::AddRequest {
+                token_sequence: Some(vec![1, 2, 3, 4]),
+                track_prefill_tokens: false,
+                expected_output_tokens: None,
+                prefill_load_hint: None,
+            },
+            router_id: 9,
+            lora_name: None,
+        };
+        assert_eq!(d.apply_replica(add("a"), 0), Ok(W[0]));
+        assert_eq!(d.slots().load(W[0]).active_blocks, 2);
+        assert_eq!(
+            d.apply_replica(add("b"), 0),
+            Err(SlotError::Full { max: 1 })
+        );
+        assert_eq!(d.free("a"), Ok(W[0]));
     }
 }

@@ -9,6 +9,13 @@
 //! Replica routers feed each other's decisions into the same structure (replica sync), so
 //! every replica predicts the whole fleet's load. Clock-free: times are arguments.
 //!
+//! A worker's active blocks are a union of whole prompts' sequence hashes, each a chain
+//! from the prompt's first block: if one holds a prompt's block `i`, it holds its blocks
+//! `0..i` too (block `i`'s hash names the whole prefix). So how much of a new prompt a
+//! worker already holds is a prefix of it, found by binary search: pricing a request of
+//! `n` blocks costs `O(log n)` probes per busy worker, not `n` (a huge prompt must not stall
+//! every other decision).
+//!
 //! A worker whose last request is released keeps its (empty) block map, so that a worker
 //! that goes idle between requests does not allocate and free a map per request; the map
 //! goes when the worker is removed.
@@ -33,6 +40,12 @@ pub enum SlotError {
     /// A request with this id is already active.
     #[error("request {0:?} is already active")]
     DuplicateRequest(String),
+    /// The manager holds as many requests as it may.
+    #[error("{max} requests are active already")]
+    Full {
+        /// The limit.
+        max: usize,
+    },
 }
 
 /// Load of one worker as the slot manager sees it.
@@ -67,6 +80,29 @@ pub struct Slots {
     stale_after_ms: u64,
     workers: Map<WorkerDp, WorkerSlots>,
     requests: HashMap<String, Active>,
+    /// Active requests from which a worker counts as full ([`Self::is_full`]).
+    worker_cap: u64,
+    /// Workers with `worker_cap` or more active requests.
+    full: usize,
+}
+
+/// The length of the longest prefix of `blocks` (a chain of sequence hashes) that `held`
+/// holds, assuming what it holds is prefix-closed (see the [module docs](self)).
+fn held_prefix(blocks: &[u64], held: &Map<u64, u32>) -> usize {
+    if held.is_empty() {
+        return 0;
+    }
+    // Invariant: blocks[..lo] held, blocks[hi..] not.
+    let (mut lo, mut hi) = (0, blocks.len());
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if held.contains_key(&blocks[mid]) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 impl Slots {
@@ -76,7 +112,32 @@ impl Slots {
             stale_after_ms,
             workers: Map::default(),
             requests: HashMap::new(),
+            worker_cap: u64::MAX,
+            full: 0,
         }
+    }
+
+    /// Counts a worker as full from `cap` active requests on ([`Self::is_full`]).
+    pub fn set_worker_cap(&mut self, cap: u64) {
+        self.worker_cap = cap.max(1);
+        self.recount_full();
+    }
+
+    fn recount_full(&mut self) {
+        let cap = self.worker_cap;
+        self.full = self.workers.values().filter(|w| w.requests >= cap).count();
+    }
+
+    /// Whether some worker is full (cheap: a counter).
+    pub fn any_full(&self) -> bool {
+        self.full > 0
+    }
+
+    /// Whether `worker` has the cap's number of active requests or more.
+    pub fn is_full(&self, worker: WorkerDp) -> bool {
+        self.workers
+            .get(&worker)
+            .is_some_and(|w| w.requests >= self.worker_cap)
     }
 
     /// Adds a routed request: its blocks (sequence hashes of its prompt) and the prefill
@@ -99,6 +160,9 @@ impl Slots {
         }
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
+        if w.requests == self.worker_cap {
+            self.full += 1;
+        }
         self.requests.insert(
             request_id.into(),
             Active {
@@ -154,6 +218,9 @@ impl Slots {
             }
         }
         w.prefill_tokens -= r.prefill_tokens;
+        if w.requests == self.worker_cap {
+            self.full -= 1;
+        }
         w.requests -= 1;
         if w.requests == 0 {
             debug_assert!(w.blocks.is_empty() && w.prefill_tokens == 0);
@@ -182,12 +249,14 @@ impl Slots {
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.requests.retain(|_, r| r.worker.worker_id != worker_id);
         self.workers.retain(|w, _| w.worker_id != worker_id);
+        self.recount_full();
     }
 
     /// Drops every request of one (worker, dp rank).
     pub fn remove(&mut self, worker: WorkerDp) {
         self.requests.retain(|_, r| r.worker != worker);
         self.workers.remove(&worker);
+        self.recount_full();
     }
 
     /// A worker's load.
@@ -202,13 +271,12 @@ impl Slots {
     }
 
     /// The worker's active blocks if a request with `blocks` were added to it.
+    /// `blocks` is a prompt's chain of sequence hashes.
     pub fn potential_blocks(&self, worker: WorkerDp, blocks: &[u64]) -> u64 {
-        let active = self.workers.get(&worker);
-        let held = |b: &u64| active.is_some_and(|w| w.blocks.contains_key(b));
-        let mut new: Vec<u64> = blocks.iter().copied().filter(|b| !held(b)).collect();
-        new.sort_unstable();
-        new.dedup();
-        active.map_or(0, |w| w.blocks.len() as u64) + new.len() as u64
+        match self.workers.get(&worker) {
+            Some(w) => (w.blocks.len() + blocks.len() - held_prefix(blocks, &w.blocks)) as u64,
+            None => blocks.len() as u64,
+        }
     }
 
     /// The cost function's view of each of `workers` for a request whose sequence hashes
@@ -222,7 +290,7 @@ impl Slots {
     ) -> Vec<Candidate> {
         // [`Self::potential_blocks`] for every worker at once. A request's sequence hashes
         // are distinct (each names a different prefix), so no deduplication is needed: busy
-        // workers check each block, idle ones add them all.
+        // workers search the prefix they hold, idle ones add them all.
         debug_assert!(
             {
                 let mut b = blocks.to_vec();
@@ -237,8 +305,8 @@ impl Slots {
             .iter()
             .filter(|(_, s)| s.requests > 0)
             .map(|(&w, s)| {
-                let new = blocks.iter().filter(|b| !s.blocks.contains_key(b)).count();
-                (w, s.blocks.len() as u64 + new as u64)
+                let new = blocks.len() - held_prefix(blocks, &s.blocks);
+                (w, (s.blocks.len() + new) as u64)
             })
             .collect();
         let potential = |w: WorkerDp| busy.get(&w).copied().unwrap_or(n);
@@ -325,7 +393,7 @@ mod tests {
                 active_requests: 2
             }
         );
-        assert_eq!(s.potential_blocks(A, &[1, 5, 5, 6]), 6);
+        assert_eq!(s.potential_blocks(A, &[1, 5, 6]), 6);
         // `candidates` counts the same, for every worker at once.
         let idle = WorkerDp::new(9, 0);
         let c = s.candidates(&[A, idle], &[1, 5, 6], &OverlapScores::new());
@@ -368,6 +436,58 @@ mod tests {
             }
         );
         assert_eq!(s.workers().map(|(w, _)| w).collect::<Vec<_>>(), [A]);
+    }
+
+    /// The held prefix found by binary search is the exact count of held blocks whenever
+    /// what a worker holds is whole prompts' chains.
+    #[test]
+    fn held_prefix_is_exact_on_chains() {
+        use crate::hash::{LocalBlockHash, sequence_hashes};
+        let chain = |v: &[u64]| -> Vec<u64> {
+            let l: Vec<LocalBlockHash> = v.iter().copied().map(LocalBlockHash).collect();
+            sequence_hashes(&l).into_iter().map(|h| h.0).collect()
+        };
+        let mut rng = crate::policy::Rng::new(7);
+        for round in 0..200 {
+            let mut s = Slots::new(1000);
+            // A few prompts sharing prefixes of random lengths.
+            let base: Vec<u64> = (0..64).map(|_| rng.below(4) as u64).collect();
+            for r in 0..rng.below(5) {
+                let keep = rng.below(64);
+                let mut p = base[..keep].to_vec();
+                p.extend((0..rng.below(40)).map(|_| 100 + rng.below(1000) as u64));
+                s.add(&format!("{round}-{r}"), A, chain(&p), 0, 0).unwrap();
+            }
+            let keep = rng.below(64);
+            let mut q = base[..keep].to_vec();
+            q.extend((0..rng.below(40)).map(|_| 5000 + rng.below(1000) as u64));
+            let q = chain(&q);
+            let held = s.workers.get(&A).map(|w| &w.blocks);
+            let exact = held.map_or(0, |h| q.iter().filter(|b| h.contains_key(b)).count());
+            let active = s.load(A).active_blocks;
+            assert_eq!(s.potential_blocks(A, &q), active + (q.len() - exact) as u64);
+        }
+    }
+
+    #[test]
+    fn full_workers_are_counted() {
+        let mut s = Slots::new(1000);
+        s.set_worker_cap(2);
+        let b = WorkerDp::new(2, 0);
+        s.add("a1", A, vec![1], 0, 0).unwrap();
+        assert!(!s.any_full());
+        s.add("a2", A, vec![2], 0, 0).unwrap();
+        s.add("a3", A, vec![3], 0, 0).unwrap();
+        s.add("b1", b, vec![1], 0, 0).unwrap();
+        assert!(s.any_full() && s.is_full(A) && !s.is_full(b));
+        s.free("a3").unwrap();
+        assert!(s.is_full(A));
+        s.free("a2").unwrap();
+        assert!(!s.any_full() && !s.is_full(A));
+        s.add("a4", A, vec![4], 0, 0).unwrap();
+        assert!(s.any_full());
+        s.remove(A);
+        assert!(!s.any_full());
     }
 
     #[test]

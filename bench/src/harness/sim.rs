@@ -4,7 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use kvrouter_core::decision::{Decider, DeciderConfig, Route, Selection};
+use kvrouter_core::decision::{Decider, DeciderConfig, Limits, Route, Selection};
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
@@ -177,6 +177,9 @@ impl Router {
             stale_after_ms: u64::MAX / 4,
             seed: cfg.seed,
             id_prefix: 0,
+            // The simulation models its engines' queues itself; a limit would only turn
+            // its overload into refusals it does not model.
+            limits: Limits::NONE,
         });
         Router {
             decider,
