@@ -22,6 +22,7 @@ pub mod log;
 pub mod nats;
 pub mod router;
 pub mod snapshot;
+pub mod throttle;
 pub mod worker;
 pub mod zmq;
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvrouter_core::codec::Subjects;
+use kvrouter_core::decision::Limits;
 use kvrouter_core::policy::{CostConfig, Herd};
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
@@ -111,6 +112,31 @@ pub(crate) struct ServeArgs {
     /// Largest request body, bytes.
     #[arg(long, env = "KVROUTER_MAX_BODY_BYTES")]
     max_body_bytes: Option<usize>,
+    /// Most blocks per routed request (more: 413).
+    #[arg(long, env = "KVROUTER_MAX_REQUEST_BLOCKS")]
+    max_request_blocks: Option<usize>,
+    /// Most active requests in all (more: 429).
+    #[arg(long, env = "KVROUTER_MAX_ACTIVE_REQUESTS")]
+    max_active_requests: Option<usize>,
+    /// Most active requests per worker and dp rank (a full worker is skipped; all full: 429).
+    #[arg(long, env = "KVROUTER_MAX_ACTIVE_PER_WORKER")]
+    max_active_per_worker: Option<usize>,
+    /// Longest request id, bytes (longer: 400).
+    #[arg(long, env = "KVROUTER_MAX_REQUEST_ID_BYTES")]
+    max_request_id_bytes: Option<usize>,
+    /// Most open connections on the API listener (more: 503 and closed).
+    #[arg(long, env = "KVROUTER_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
+    /// Seconds for a request's whole header block to arrive (else 408).
+    #[arg(long, env = "KVROUTER_HEADER_TIMEOUT_SECS")]
+    header_timeout_secs: Option<u64>,
+    /// Seconds for a request's whole body to arrive after its headers (else 408); also
+    /// the limit for writing a response.
+    #[arg(long, env = "KVROUTER_BODY_TIMEOUT_SECS")]
+    body_timeout_secs: Option<u64>,
+    /// Seconds a keep-alive connection may idle between requests.
+    #[arg(long, env = "KVROUTER_IDLE_TIMEOUT_SECS")]
+    idle_timeout_secs: Option<u64>,
     /// Release requests not heard of for this many seconds.
     #[arg(long, env = "KVROUTER_STALE_AFTER_SECS")]
     stale_after_secs: Option<u64>,
@@ -181,6 +207,14 @@ pub(crate) struct ServeConfig {
     #[serde(skip_serializing)]
     auth_token: Option<String>,
     max_body_bytes: usize,
+    max_request_blocks: usize,
+    max_active_requests: usize,
+    max_active_per_worker: usize,
+    max_request_id_bytes: usize,
+    max_connections: usize,
+    header_timeout_secs: u64,
+    body_timeout_secs: u64,
+    idle_timeout_secs: u64,
     stale_after_secs: u64,
     silence_timeout_secs: u64,
     seed: u64,
@@ -197,6 +231,7 @@ pub(crate) struct ServeConfig {
 impl Default for ServeConfig {
     fn default() -> Self {
         let cost = CostConfig::default();
+        let (http, limits) = (HttpConfig::default(), Limits::default());
         Self {
             nats: "nats://127.0.0.1:4222".into(),
             engines: Vec::new(),
@@ -222,7 +257,15 @@ impl Default for ServeConfig {
             shards: 1,
             cpus: Vec::new(),
             auth_token: None,
-            max_body_bytes: 4 << 20,
+            max_body_bytes: http.max_body_bytes,
+            max_request_blocks: limits.max_blocks,
+            max_active_requests: limits.max_active_requests,
+            max_active_per_worker: limits.max_active_per_worker,
+            max_request_id_bytes: limits.max_request_id_bytes,
+            max_connections: http.max_connections,
+            header_timeout_secs: http.header_timeout.as_secs(),
+            body_timeout_secs: http.body_timeout.as_secs(),
+            idle_timeout_secs: http.idle_timeout.as_secs(),
             stale_after_secs: 600,
             silence_timeout_secs: 60,
             seed: 0,
@@ -380,6 +423,14 @@ impl ServeConfig {
             shards,
             cpus,
             max_body_bytes,
+            max_request_blocks,
+            max_active_requests,
+            max_active_per_worker,
+            max_request_id_bytes,
+            max_connections,
+            header_timeout_secs,
+            body_timeout_secs,
+            idle_timeout_secs,
             stale_after_secs,
             silence_timeout_secs,
             seed,
@@ -423,6 +474,7 @@ impl ServeConfig {
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut cfg = ServeConfig::resolve(&args)?;
+    let fd_limit = raise_fd_limit();
     let cost = CostConfig {
         overlap_score_credit: cfg.overlap_score_credit,
         prefill_load_scale: cfg.prefill_load_scale,
@@ -543,7 +595,18 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         listen: cfg.listen,
         http: HttpConfig {
             max_body_bytes: cfg.max_body_bytes,
+            max_connections: connection_cap(cfg.max_connections, fd_limit),
+            header_timeout: Duration::from_secs(cfg.header_timeout_secs.max(1)),
+            body_timeout: Duration::from_secs(cfg.body_timeout_secs.max(1)),
+            write_timeout: Duration::from_secs(cfg.body_timeout_secs.max(1)),
+            idle_timeout: Duration::from_secs(cfg.idle_timeout_secs.max(1)),
             ..HttpConfig::default()
+        },
+        limits: Limits {
+            max_blocks: cfg.max_request_blocks,
+            max_active_requests: cfg.max_active_requests,
+            max_active_per_worker: cfg.max_active_per_worker,
+            max_request_id_bytes: cfg.max_request_id_bytes,
         },
         block_size: cfg.block_size,
         cost,
@@ -587,6 +650,56 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         ingest.stop();
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Raises the soft limit of open files to the hard one (systemd's default soft limit is
+/// 1,024, a shell's often 256: a few hundred clients would lock the rest out); returns the
+/// limit now in force.
+fn raise_fd_limit() -> u64 {
+    use rlimit::Resource;
+    let Ok((soft, hard)) = rlimit::getrlimit(Resource::NOFILE) else {
+        return 1024;
+    };
+    // An unlimited hard limit still stops at the kernel's `nr_open`.
+    let target = if hard == u64::MAX {
+        std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(1 << 20)
+    } else {
+        hard
+    };
+    if soft >= target {
+        return soft;
+    }
+    match rlimit::setrlimit(Resource::NOFILE, target, hard) {
+        Ok(()) => {
+            tracing::info!(from = soft, to = target, "open-file limit raised");
+            target
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, limit = soft, "could not raise the open-file limit");
+            soft
+        }
+    }
+}
+
+/// The connection cap, lowered to leave descriptors for everything else when the
+/// open-file limit would not hold it (past the limit, accepting fails for every client
+/// instead of refusing the extra ones).
+fn connection_cap(wanted: usize, fd_limit: u64) -> usize {
+    const RESERVE: u64 = 128;
+    let room = fd_limit.saturating_sub(RESERVE).max(16) as usize;
+    if wanted > room {
+        tracing::warn!(
+            wanted,
+            cap = room,
+            fd_limit,
+            "--max-connections lowered to fit the open-file limit"
+        );
+        return room;
+    }
+    wanted
 }
 
 /// The NATS URL without its user info, for the effective-configuration line.

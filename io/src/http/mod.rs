@@ -1,29 +1,49 @@
 //! A small HTTP/1.1 server on glommio's io_uring sockets, for the routing API: keep-alive,
 //! pipelining, `Content-Length` bodies up to a configurable limit, requests parsed with
-//! `httparse`. Handlers are synchronous functions of the request (routing decisions never
-//! wait), so a connection task reads, answers and reads again without locks.
+//! `httparse` and framed strictly ([`parse`](self::parse)). Handlers are synchronous
+//! functions of the request (routing decisions never wait), so a connection task reads,
+//! answers and reads again without locks.
 //!
-//! Bad input gets a 4xx with a clear message and closes nothing else: oversized headers or
-//! bodies (413/431), malformed request lines (400), chunked bodies (411: send a
-//! `Content-Length`).
+//! Every client is bounded in what it can hold: a connection cap per listener (past it, a
+//! new connection is answered 503 and closed), a deadline for the whole header block and
+//! another for the body, counted from their first byte (a client that trickles one byte a
+//! second does not keep its connection for ever), an idle limit between requests, and a
+//! deadline for each write (a client that stops reading its answers is dropped). Bad input
+//! gets a 4xx/5xx with a clear message and closes only its own connection. [`HttpStats`]
+//! counts all of it.
 
+use std::cell::Cell;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_lite::future;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
+
+mod parse;
+
+use parse::{Parsed, parse};
 
 /// Limits of the server.
 #[derive(Debug, Clone)]
 pub struct HttpConfig {
     /// Largest accepted body, bytes (4 MiB by default).
     pub max_body_bytes: usize,
-    /// Largest accepted header block, bytes.
+    /// Largest accepted header block, bytes (64 KiB).
     pub max_header_bytes: usize,
-    /// Close a keep-alive connection idle this long.
+    /// Longest accepted request target (path and query), bytes (8 KiB).
+    pub max_target_bytes: usize,
+    /// Close a keep-alive connection idle this long between requests (60 s).
     pub idle_timeout: Duration,
+    /// The whole header block must arrive within this of its first byte (10 s).
+    pub header_timeout: Duration,
+    /// The whole body must arrive within this of the end of the headers (30 s).
+    pub body_timeout: Duration,
+    /// Each response must be written within this (30 s).
+    pub write_timeout: Duration,
+    /// Open connections per listener; past it, new ones are refused with 503 (8,192).
+    pub max_connections: usize,
 }
 
 impl Default for HttpConfig {
@@ -31,9 +51,35 @@ impl Default for HttpConfig {
         Self {
             max_body_bytes: 4 << 20,
             max_header_bytes: 64 << 10,
+            max_target_bytes: 8 << 10,
             idle_timeout: Duration::from_secs(60),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
+            max_connections: 8192,
         }
     }
+}
+
+/// Counters of one listener (single executor: plain cells).
+#[derive(Debug, Default)]
+pub struct HttpStats {
+    /// Connections accepted (refused ones included).
+    pub accepted: Cell<u64>,
+    /// Connections open now.
+    pub open: Cell<u64>,
+    /// Connections refused at the connection cap.
+    pub refused: Cell<u64>,
+    /// Requests refused for their framing or size (400, 411, 413, 414, 431, 501).
+    pub rejected: Cell<u64>,
+    /// Connections closed because a header block or body missed its deadline (408).
+    pub read_timeouts: Cell<u64>,
+    /// Connections dropped because a response could not be written in time.
+    pub write_timeouts: Cell<u64>,
+}
+
+fn bump(c: &Cell<u64>) {
+    c.set(c.get() + 1);
 }
 
 /// A parsed request.
@@ -41,8 +87,10 @@ impl Default for HttpConfig {
 pub struct Request {
     /// `GET`, `POST`, ...
     pub method: String,
-    /// The path, without the query string.
+    /// The path as sent (still percent-encoded), without the query string.
     pub path: String,
+    /// The query string, without its `?`.
+    pub query: Option<String>,
     /// Headers, names lower-cased.
     pub headers: Vec<(String, String)>,
     /// The body.
@@ -59,6 +107,29 @@ impl Request {
     }
 }
 
+/// One path segment, percent-decoded (RFC 3986 §2.1); `None` when the escapes are
+/// malformed or the result is not UTF-8.
+pub fn decode_segment(segment: &str) -> Option<String> {
+    let b = segment.as_bytes();
+    if b.contains(&b'%') {
+        let ok = b
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c == b'%')
+            .all(|(i, _)| {
+                b.get(i + 1..i + 3)
+                    .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit))
+            });
+        if !ok {
+            return None;
+        }
+    }
+    percent_encoding::percent_decode_str(segment)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
+}
+
 /// A response.
 #[derive(Debug, Clone)]
 pub struct Response {
@@ -68,6 +139,8 @@ pub struct Response {
     pub content_type: &'static str,
     /// Body.
     pub body: Vec<u8>,
+    /// A `Retry-After` (seconds), for 429 and 503.
+    pub retry_after: Option<u32>,
 }
 
 impl Response {
@@ -77,6 +150,7 @@ impl Response {
             status,
             content_type: "application/json",
             body,
+            retry_after: None,
         }
     }
 
@@ -93,7 +167,14 @@ impl Response {
             status,
             content_type: "text/plain; version=0.0.4",
             body: body.into(),
+            retry_after: None,
         }
+    }
+
+    /// The same response with a `Retry-After`.
+    pub fn with_retry_after(mut self, secs: u32) -> Self {
+        self.retry_after = Some(secs);
+        self
     }
 }
 
@@ -104,182 +185,243 @@ fn reason(status: u16) -> &'static str {
         401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        408 => "Request Timeout",
         409 => "Conflict",
         411 => "Length Required",
-        413 => "Payload Too Large",
+        413 => "Content Too Large",
+        414 => "URI Too Long",
+        429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
         500 => "Internal Server Error",
+        501 => "Not Implemented",
         503 => "Service Unavailable",
         _ => "",
     }
 }
 
 fn write_response(out: &mut Vec<u8>, r: &Response, keep_alive: bool) {
-    out.extend_from_slice(
-        format!(
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n",
-            r.status,
-            reason(r.status),
-            r.content_type,
-            r.body.len(),
-            if keep_alive { "keep-alive" } else { "close" }
-        )
-        .as_bytes(),
+    use std::io::Write;
+    let _ = write!(
+        out,
+        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: {}\r\n",
+        r.status,
+        reason(r.status),
+        r.content_type,
+        r.body.len(),
+        if keep_alive { "keep-alive" } else { "close" }
     );
+    if let Some(s) = r.retry_after {
+        let _ = write!(out, "Retry-After: {s}\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
     out.extend_from_slice(&r.body);
 }
 
-/// What parsing the buffered bytes gave.
-enum Parsed {
-    Need,
-    Request(Request, usize, bool),
-    Reject(Response),
-}
+/// Counts an open connection while it lives.
+struct OpenGuard(Rc<HttpStats>);
 
-fn parse(buf: &[u8], cfg: &HttpConfig) -> Parsed {
-    let mut headers = [httparse::EMPTY_HEADER; 64];
-    let mut req = httparse::Request::new(&mut headers);
-    let head = match req.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => {
-            if buf.len() > cfg.max_header_bytes {
-                return Parsed::Reject(Response::error(431, "request headers too large"));
-            }
-            return Parsed::Need;
-        }
-        Err(httparse::Error::TooManyHeaders) => {
-            return Parsed::Reject(Response::error(431, "too many headers"));
-        }
-        Err(e) => return Parsed::Reject(Response::error(400, format!("malformed request: {e}"))),
-    };
-    let method = req.method.unwrap_or("").to_owned();
-    let path = req
-        .path
-        .unwrap_or("/")
-        .split('?')
-        .next()
-        .unwrap_or("/")
-        .to_owned();
-    let version = req.version.unwrap_or(1);
-    let hdrs: Vec<(String, String)> = req
-        .headers
-        .iter()
-        .map(|h| {
-            (
-                h.name.to_ascii_lowercase(),
-                String::from_utf8_lossy(h.value).into_owned(),
-            )
-        })
-        .collect();
-    let find = |n: &str| hdrs.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
-    if find("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
-        return Parsed::Reject(Response::error(
-            411,
-            "chunked bodies are not supported: send a Content-Length",
-        ));
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.open.set(self.0.open.get() - 1);
     }
-    let len = match find("content-length").map(|v| v.trim().parse::<usize>()) {
-        None => 0,
-        Some(Ok(n)) => n,
-        Some(Err(_)) => return Parsed::Reject(Response::error(400, "malformed Content-Length")),
-    };
-    if len > cfg.max_body_bytes {
-        return Parsed::Reject(Response::error(
-            413,
-            format!(
-                "body of {len} bytes exceeds the limit of {} bytes",
-                cfg.max_body_bytes
-            ),
-        ));
-    }
-    if buf.len() < head + len {
-        return Parsed::Need;
-    }
-    let connection = find("connection").map(str::to_ascii_lowercase);
-    let keep_alive = match (version, connection.as_deref()) {
-        (_, Some(c)) if c.contains("close") => false,
-        (0, Some(c)) => c.contains("keep-alive"),
-        (0, None) => false,
-        _ => true,
-    };
-    let body = buf[head..head + len].to_vec();
-    Parsed::Request(
-        Request {
-            method,
-            path,
-            headers: hdrs,
-            body,
-        },
-        head + len,
-        keep_alive,
-    )
 }
 
 /// Serves connections from `listener` forever, answering each request with `handler`.
 pub async fn serve(
     listener: TcpListener,
     cfg: HttpConfig,
+    stats: Rc<HttpStats>,
     handler: Rc<dyn Fn(Request) -> Response>,
 ) {
+    let warn = crate::throttle::Throttle::new(Duration::from_secs(10));
+    let refusing = Rc::new(Cell::new(0usize));
     loop {
         match listener.accept().await {
             Ok(stream) => {
+                bump(&stats.accepted);
+                if stats.open.get() as usize >= cfg.max_connections {
+                    bump(&stats.refused);
+                    if let Some(suppressed) = warn.allow() {
+                        tracing::warn!(
+                            max = cfg.max_connections,
+                            suppressed,
+                            "http: connection cap reached, refusing new connections"
+                        );
+                    }
+                    // A few refusals at a time are answered; past them, a flood is
+                    // dropped at once.
+                    if refusing.get() < MAX_REFUSING {
+                        refusing.set(refusing.get() + 1);
+                        let refusing = Rc::clone(&refusing);
+                        glommio::spawn_local(async move {
+                            refuse(stream).await;
+                            refusing.set(refusing.get() - 1);
+                        })
+                        .detach();
+                    }
+                    continue;
+                }
+                stats.open.set(stats.open.get() + 1);
+                let guard = OpenGuard(Rc::clone(&stats));
                 let (cfg, handler) = (cfg.clone(), Rc::clone(&handler));
-                glommio::spawn_local(async move { connection(stream, cfg, handler).await })
-                    .detach();
+                glommio::spawn_local(async move {
+                    connection(stream, &cfg, &guard.0, handler).await;
+                    drop(guard);
+                })
+                .detach();
             }
             Err(e) => {
-                tracing::warn!(error = %e, "http: accept failed");
+                // Out of descriptors, mostly: wait a little rather than spin.
+                if let Some(suppressed) = warn.allow() {
+                    tracing::warn!(error = %e, suppressed, "http: accept failed");
+                }
                 glommio::timer::sleep(Duration::from_millis(10)).await;
             }
         }
     }
 }
 
+/// Refusals answered at once; more connections past the cap are closed unanswered.
+const MAX_REFUSING: usize = 64;
+
+/// Answers a connection past the cap with 503 and closes it gently: its request is read
+/// (briefly) before the close, so that the client sees the answer, not a reset.
+async fn refuse(stream: TcpStream) {
+    let mut out = Vec::new();
+    let busy = Response::error(503, "too many connections").with_retry_after(1);
+    write_response(&mut out, &busy, false);
+    close_gently(stream, &out).await;
+}
+
+/// Writes a last answer and closes: the write side first, then what the client still
+/// sends is read and dropped for a moment, so that the close does not reset the
+/// connection (and lose the answer) while the client's bytes are unread.
+async fn close_gently(mut stream: TcpStream, out: &[u8]) {
+    let linger = async {
+        if stream.write_all(out).await.is_err() {
+            return;
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Write).await;
+        let mut sink = [0u8; 4096];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    };
+    let _ = with_deadline(Duration::from_millis(200), linger).await;
+}
+
+/// `fut`'s output, or `None` past `limit`.
+async fn with_deadline<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
+    let expired = async {
+        glommio::timer::sleep(limit).await;
+        None
+    };
+    future::or(async { Some(fut.await) }, expired).await
+}
+
+/// Where a connection is between its reads, for the deadline of the next one.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    /// Between requests, since this instant.
+    Idle(Instant),
+    /// In a header block that began then.
+    Head(Instant),
+    /// In a body whose headers ended then.
+    Body(Instant),
+}
+
+impl Phase {
+    fn deadline(self, cfg: &HttpConfig) -> Instant {
+        match self {
+            Phase::Idle(t) => t + cfg.idle_timeout,
+            Phase::Head(t) => t + cfg.header_timeout,
+            Phase::Body(t) => t + cfg.body_timeout,
+        }
+    }
+}
+
 async fn connection(
     mut stream: TcpStream,
-    cfg: HttpConfig,
+    cfg: &HttpConfig,
+    stats: &HttpStats,
     handler: Rc<dyn Fn(Request) -> Response>,
 ) {
     let _ = stream.set_nodelay(true);
     let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
     let mut chunk = vec![0u8; 64 << 10];
     let mut out = Vec::with_capacity(16 << 10);
+    let mut phase = Phase::Idle(Instant::now());
     loop {
         // Answer every complete request already buffered (pipelining), then read more.
+        let mut close = false;
         loop {
-            match parse(&buf, &cfg) {
-                Parsed::Need => break,
+            match parse(&buf, cfg) {
+                Parsed::Need { head_done } => {
+                    let now = Instant::now();
+                    phase = match (phase, head_done, buf.is_empty()) {
+                        (_, _, true) => Phase::Idle(match phase {
+                            Phase::Idle(t) => t,
+                            _ => now,
+                        }),
+                        (Phase::Body(t), true, _) => Phase::Body(t),
+                        (_, true, _) => Phase::Body(now),
+                        (Phase::Head(t), false, _) => Phase::Head(t),
+                        (_, false, _) => Phase::Head(now),
+                    };
+                    break;
+                }
                 Parsed::Request(req, used, keep_alive) => {
                     buf.drain(..used);
                     let resp = handler(req);
                     write_response(&mut out, &resp, keep_alive);
+                    // The next request (pipelined or not) starts its own clock.
+                    phase = Phase::Idle(Instant::now());
                     if !keep_alive {
-                        let _ = stream.write_all(&out).await;
-                        return;
+                        close = true;
+                        break;
                     }
                 }
                 Parsed::Reject(resp) => {
+                    bump(&stats.rejected);
                     write_response(&mut out, &resp, false);
-                    let _ = stream.write_all(&out).await;
+                    close_gently(stream, &out).await;
                     return;
                 }
             }
         }
         if !out.is_empty() {
-            if stream.write_all(&out).await.is_err() {
+            let write = async { stream.write_all(&out).await.is_ok() };
+            match with_deadline(cfg.write_timeout, write).await {
+                Some(true) => out.clear(),
+                Some(false) => return,
+                None => {
+                    bump(&stats.write_timeouts);
+                    return;
+                }
+            }
+        }
+        if close {
+            return;
+        }
+        let left = phase
+            .deadline(cfg)
+            .saturating_duration_since(Instant::now());
+        let read = async { stream.read(&mut chunk).await.ok() };
+        match with_deadline(left, read).await {
+            Some(Some(0) | None) => return,
+            Some(Some(n)) => buf.extend_from_slice(&chunk[..n]),
+            None => {
+                if let Phase::Idle(_) = phase {
+                    return;
+                }
+                bump(&stats.read_timeouts);
+                let what = if let Phase::Head(_) = phase {
+                    "the request headers did not arrive in time"
+                } else {
+                    "the request body did not arrive in time"
+                };
+                write_response(&mut out, &Response::error(408, what), false);
+                close_gently(stream, &out).await;
                 return;
             }
-            out.clear();
-        }
-        let read = async { stream.read(&mut chunk).await.ok() };
-        let idle = async {
-            glommio::timer::sleep(cfg.idle_timeout).await;
-            None
-        };
-        match future::or(read, idle).await {
-            Some(0) | None => return,
-            Some(n) => buf.extend_from_slice(&chunk[..n]),
         }
     }
 }
@@ -294,45 +436,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_requests_and_rejects_bad_ones() {
-        let cfg = HttpConfig {
-            max_body_bytes: 10,
-            ..Default::default()
-        };
-        let wire = b"POST /v1/route?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}GET /healthz HTTP/1.1\r\n\r\n";
-        let Parsed::Request(r, used, ka) = parse(wire, &cfg) else {
-            panic!()
-        };
+    fn segments_decode_or_refuse() {
         assert_eq!(
-            (r.method.as_str(), r.path.as_str(), r.body.as_slice(), ka),
-            ("POST", "/v1/route", &b"{}"[..], true)
+            decode_segment("a%20b%3F%2F%C3%A9").as_deref(),
+            Some("a b?/é")
         );
-        assert_eq!(r.header("host"), Some("a"));
-        let Parsed::Request(r2, _, _) = parse(&wire[used..], &cfg) else {
-            panic!()
-        };
-        assert_eq!(r2.path, "/healthz");
-        assert!(matches!(
-            parse(b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab", &cfg),
-            Parsed::Need
-        ));
-        for (bad, status) in [
-            (&b"POST / HTTP/1.1\r\nContent-Length: 11\r\n\r\n"[..], 413),
-            (
-                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
-                411,
-            ),
-            (b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n", 400),
-            (b"\x00\x01 garbage\r\n\r\n", 400),
-        ] {
-            let Parsed::Reject(resp) = parse(bad, &cfg) else {
-                panic!("{bad:?}")
-            };
-            assert_eq!(resp.status, status);
-        }
-        let Parsed::Request(_, _, ka) = parse(b"GET / HTTP/1.0\r\n\r\n", &cfg) else {
-            panic!()
-        };
-        assert!(!ka);
+        assert_eq!(decode_segment("plain").as_deref(), Some("plain"));
+        assert_eq!(decode_segment("bad%2"), None);
+        assert_eq!(decode_segment("bad%zz"), None);
+        assert_eq!(decode_segment("%ff"), None);
+    }
+
+    #[test]
+    fn responses_carry_retry_after() {
+        let mut out = Vec::new();
+        write_response(
+            &mut out,
+            &Response::error(429, "busy").with_retry_after(1),
+            true,
+        );
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("HTTP/1.1 429 Too Many Requests\r\n"));
+        assert!(text.contains("\r\nRetry-After: 1\r\n"));
     }
 }

@@ -3,6 +3,7 @@
 //! one executor owns the [`State`]).
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::Instant;
 
 use kvrouter_core::codec::replica::{
@@ -16,7 +17,7 @@ use serde::Serialize;
 use super::RouterConfig;
 use super::input::{RouteInput, route_input};
 use super::metrics::{self, ApiCounters, DecisionTimes};
-use crate::http::{Request, Response};
+use crate::http::{HttpStats, Request, Response, decode_segment};
 use crate::ingest::IngestView;
 
 #[derive(Debug, Serialize)]
@@ -36,6 +37,19 @@ struct OverlapEntry {
     blocks: u32,
 }
 
+/// `a == b` in a time that depends on their lengths only (not on where they differ), so
+/// that the bearer token cannot be guessed byte by byte from response times.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| std::hint::black_box(acc | (x ^ y)));
+    diff == 0
+}
+
 /// Everything the API executor owns.
 pub(super) struct State {
     cfg: RouterConfig,
@@ -43,6 +57,8 @@ pub(super) struct State {
     decider: Decider,
     start: Instant,
     pub(super) counters: ApiCounters,
+    /// The listener's counters (connections, framing, deadlines).
+    pub(super) http: Rc<HttpStats>,
     times: DecisionTimes,
     replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
     /// The candidates from the static list and the ingest, sorted, as of the ingest's
@@ -67,6 +83,7 @@ impl State {
             decider,
             start: Instant::now(),
             counters: ApiCounters::default(),
+            http: Rc::default(),
             times: DecisionTimes::default(),
             replica_tx,
             known: Vec::new(),
@@ -86,7 +103,17 @@ impl State {
         self.counters.expired += n as u64;
     }
 
-    fn locals(&self, input: &RouteInput) -> Result<(Vec<LocalBlockHash>, u64), Response> {
+    /// The request's local block hashes and prompt tokens; past the block limit, a 413
+    /// before any hashing.
+    fn locals(&mut self, input: &RouteInput) -> Result<(Vec<LocalBlockHash>, u64), Response> {
+        let blocks = match (&input.token_ids, &input.block_hashes) {
+            (Some(tokens), None) => tokens.len() / self.cfg.block_size.max(1) as usize,
+            (None, Some(hashes)) => hashes.len(),
+            _ => 0,
+        };
+        if let Err(e) = self.decider.check_blocks(blocks) {
+            return Err(self.refusal(&e));
+        }
         match (&input.token_ids, &input.block_hashes) {
             (Some(tokens), None) => {
                 let opts = HashOptions {
@@ -184,8 +211,7 @@ impl State {
         let index = Self::index(&self.ingest, self.cfg.kv_events);
         let d = match self.decider.decide(index, &workers, route, seqs, now) {
             Ok(d) => d,
-            Err(DecideError::NoWorkers) => return Response::error(503, "no workers known yet"),
-            Err(e) => return Response::error(409, e.to_string()),
+            Err(e) => return self.refusal(&e),
         };
         if let Some(seqs) = replicated {
             self.replicate(
@@ -212,6 +238,27 @@ impl State {
             candidates: d.scored,
         };
         Response::json(200, serde_json::to_vec(&out).unwrap_or_default())
+    }
+
+    /// The answer to a decision that was refused, counted by its cause.
+    fn refusal(&mut self, e: &DecideError) -> Response {
+        let c = &mut self.counters;
+        match e {
+            DecideError::NoWorkers => Response::error(503, e.to_string()).with_retry_after(1),
+            DecideError::TooManyBlocks { .. } => {
+                c.too_large += 1;
+                Response::error(413, e.to_string())
+            }
+            DecideError::BadRequestId(_) => {
+                c.bad_request_ids += 1;
+                Response::error(400, e.to_string())
+            }
+            DecideError::Overloaded { .. } | DecideError::WorkersFull { .. } => {
+                c.overloaded += 1;
+                Response::error(429, e.to_string()).with_retry_after(1)
+            }
+            _ => Response::error(409, e.to_string()),
+        }
     }
 
     fn overlaps(&mut self, input: RouteInput) -> Response {
@@ -304,9 +351,10 @@ impl State {
     fn authorized(&self, req: &Request) -> bool {
         match &self.cfg.auth_token {
             None => true,
-            Some(t) => req
-                .header("authorization")
-                .is_some_and(|h| h.strip_prefix("Bearer ").is_some_and(|v| v == t)),
+            Some(t) => req.header("authorization").is_some_and(|h| {
+                h.strip_prefix("Bearer ")
+                    .is_some_and(|v| constant_time_eq(v.as_bytes(), t.as_bytes()))
+            }),
         }
     }
 
@@ -346,6 +394,7 @@ impl State {
                 200,
                 metrics::render(
                     &self.counters,
+                    &self.http,
                     &self.times,
                     self.decider.slots(),
                     self.ingest.as_ref(),
@@ -359,11 +408,22 @@ impl State {
                 }
             }
             ("POST", p) if p.starts_with("/v1/requests/") => {
+                // One segment, percent-decoded: an id with `/`, `?`, a space or any
+                // non-ASCII character comes as its escapes.
                 let rest = &p["/v1/requests/".len()..];
-                let Some((id, action)) = rest.rsplit_once('/') else {
+                let Some((raw, action)) = rest.rsplit_once('/') else {
                     return Response::error(404, "no such endpoint");
                 };
-                self.request_update(id, action)
+                if raw.contains('/') {
+                    return Response::error(
+                        404,
+                        "no such endpoint (a `/` in a request id is sent as %2F)",
+                    );
+                }
+                match decode_segment(raw) {
+                    Some(id) => self.request_update(&id, action),
+                    None => Response::error(400, "malformed percent-escapes in the request id"),
+                }
             }
             (_, "/v1/route" | "/v1/overlaps" | "/v1/workers" | "/metrics" | "/healthz") => {
                 Response::error(405, "method not allowed")
@@ -390,5 +450,18 @@ impl State {
             }
             Err(e) => Response::error(404, e.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tokens_compare_in_full() {
+        use super::constant_time_eq as eq;
+        assert!(eq(b"secret", b"secret"));
+        assert!(!eq(b"secret", b"secreT"));
+        assert!(!eq(b"Secret", b"secret"));
+        assert!(!eq(b"secret", b"secret2"));
+        assert!(eq(b"", b""));
     }
 }

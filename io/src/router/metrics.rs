@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 
 use kvrouter_core::slots::Slots;
 
+use crate::http::HttpStats;
 use crate::ingest::IngestView;
 
 /// Counters of the API (one executor owns them: plain integers).
@@ -17,6 +18,9 @@ pub(super) struct ApiCounters {
     pub(super) replica_dropped: u64,
     pub(super) expired: u64,
     pub(super) workers_removed: u64,
+    pub(super) too_large: u64,
+    pub(super) overloaded: u64,
+    pub(super) bad_request_ids: u64,
 }
 
 /// The last [`DecisionTimes::CAP`] decision times, ns.
@@ -62,6 +66,7 @@ fn metric(out: &mut String, name: &str, kind: &str, help: &str, v: impl std::fmt
 /// Prometheus text of the API's state and, when there is one, the ingest's.
 pub(super) fn render(
     c: &ApiCounters,
+    http: &HttpStats,
     times: &DecisionTimes,
     slots: &Slots,
     ingest: Option<&IngestView>,
@@ -108,9 +113,56 @@ pub(super) fn render(
             "Workers dropped from routing after the ingest removed them.",
             c.workers_removed,
         ),
+        (
+            "kvrouter_router_too_large_total",
+            "Requests refused with 413: more blocks than --max-request-blocks.",
+            c.too_large,
+        ),
+        (
+            "kvrouter_router_overloaded_total",
+            "Requests refused with 429: --max-active-requests in all or per worker reached.",
+            c.overloaded,
+        ),
+        (
+            "kvrouter_router_bad_request_ids_total",
+            "Requests refused with 400 for their id (empty, too long, control characters).",
+            c.bad_request_ids,
+        ),
+        (
+            "kvrouter_http_connections_accepted_total",
+            "Connections accepted by the API listener.",
+            http.accepted.get(),
+        ),
+        (
+            "kvrouter_http_connections_refused_total",
+            "Connections refused with 503 at --max-connections.",
+            http.refused.get(),
+        ),
+        (
+            "kvrouter_http_rejected_total",
+            "Requests refused for their framing or size (400, 411, 413, 414, 431, 501).",
+            http.rejected.get(),
+        ),
+        (
+            "kvrouter_http_read_timeouts_total",
+            "Connections closed with 408: headers or body missed their deadline.",
+            http.read_timeouts.get(),
+        ),
+        (
+            "kvrouter_http_write_timeouts_total",
+            "Connections dropped: a response could not be written in time.",
+            http.write_timeouts.get(),
+        ),
     ] {
         metric(&mut out, name, "counter", help, v);
     }
+    metric(
+        &mut out,
+        "kvrouter_http_connections_open",
+        "gauge",
+        "Connections open on the API listener.",
+        http.open.get(),
+    );
     metric(
         &mut out,
         "kvrouter_slots_active_requests",

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use kvrouter_core::codec::Subjects;
 use kvrouter_core::codec::replica::ActiveSequenceEvent;
-use kvrouter_core::decision::{Decider, DeciderConfig, Selection};
+use kvrouter_core::decision::{Decider, DeciderConfig, Limits, Selection};
 use kvrouter_core::index::ApproxConfig;
 use kvrouter_core::policy::CostConfig;
 use kvrouter_core::worker::WorkerDp;
@@ -79,6 +79,8 @@ pub struct RouterConfig {
     pub seed: u64,
     /// Workers to route to even before any event of theirs arrives (approximate mode).
     pub static_workers: Vec<WorkerDp>,
+    /// What one request may hold (blocks, active requests, id length).
+    pub limits: Limits,
     /// Let the API executor spin this long before parking: lower latency on a dedicated
     /// core, wasted CPU on a shared one.
     pub spin_before_park: Option<Duration>,
@@ -102,6 +104,7 @@ impl Default for RouterConfig {
             auth_token: None,
             seed: 0,
             static_workers: Vec::new(),
+            limits: Limits::default(),
             spin_before_park: None,
         }
     }
@@ -215,6 +218,7 @@ fn decider_config(cfg: &RouterConfig) -> DeciderConfig {
         stale_after_ms: cfg.stale_after.as_millis() as u64,
         seed: cfg.seed ^ cfg.router_id,
         id_prefix: cfg.router_id,
+        limits: cfg.limits,
     }
 }
 
@@ -266,7 +270,8 @@ async fn run(
     tracing::info!(%addr, "routing API listening");
     let st = Rc::clone(&state);
     let handler: Rc<dyn Fn(Request) -> Response> = Rc::new(move |req| st.borrow_mut().handle(req));
-    let server = http::serve(listener, cfg.http.clone(), handler);
+    let stats = Rc::clone(&state.borrow().http);
+    let server = http::serve(listener, cfg.http.clone(), stats, handler);
     let stopped = async {
         let _ = stop.recv_async().await;
     };
