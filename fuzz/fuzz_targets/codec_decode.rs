@@ -19,6 +19,15 @@ fuzz_target!(|data: &[u8]| {
         let bytes = kv::encode(&events).unwrap();
         assert_eq!(kv::decode(&bytes).unwrap(), events);
     }
+    // Lenient decoding keeps every event the whole decode keeps, and what it keeps
+    // round-trips.
+    if let Ok(l) = kv::decode_lenient(data) {
+        if let Ok(whole) = kv::decode(data) {
+            assert_eq!((&l.events, l.bad), (&whole, 0));
+        }
+        let bytes = kv::encode(&l.events).unwrap();
+        assert_eq!(kv::decode(&bytes).unwrap(), l.events);
+    }
     if let Ok(events) = kv::decode_json(data) {
         for e in &events {
             assert_eq!(&kv::decode_json(kv::encode_json(e).as_bytes()).unwrap()[0], e);

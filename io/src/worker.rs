@@ -143,7 +143,7 @@ impl KvPublisher {
             glommio::spawn_local(async move {
                 while let Some(msg) = sub.next().await {
                     if let Err(e) = responder.answer(&msg).await {
-                        tracing::warn!(error = %e, "local indexer: cannot answer a recovery request");
+                        crate::warn_throttled!(error = %e, "local indexer: cannot answer a recovery request");
                     }
                 }
             })
@@ -365,7 +365,7 @@ impl KvPublisher {
             Ok(r) if r.worker_id == self.opts.worker_id => r,
             Ok(_) => return Ok(()),
             Err(e) => {
-                tracing::warn!(error = %e, "local indexer: malformed recovery request");
+                crate::warn_throttled!(error = %e, "local indexer: malformed recovery request");
                 return Ok(());
             }
         };

@@ -478,3 +478,32 @@ fn kill_9_mid_ingest_then_restart_equals_a_replica_that_never_stopped() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("checksum"));
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// With the broker down at start, the router still serves: `/healthz` says 503, routing
+/// answers from the static workers; once the broker is up, it connects and is healthy.
+#[test]
+fn serves_before_nats_is_reachable() {
+    let mut server = NatsServer::start();
+    server.kill();
+    let started = Instant::now();
+    let r = router(&server.url(), &["--workers", "1,2"]);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    let (status, body) = http(&r.addr, "GET", "/healthz", "", &[]);
+    assert_eq!(status, 503, "{body}");
+    let (status, v) = json(http(
+        &r.addr,
+        "POST",
+        "/v1/route",
+        r#"{"block_hashes": [1]}"#,
+        &[],
+    ));
+    assert_eq!(status, 200, "{v}");
+    server.restart();
+    wait_until("healthy once NATS is up", || {
+        http(&r.addr, "GET", "/healthz", "", &[]).0 == 200
+    });
+}

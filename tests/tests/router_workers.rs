@@ -151,3 +151,69 @@ fn a_duplicate_request_id_is_one_client_error() {
     api.stop();
     ingest.stop();
 }
+
+/// Removals, clears and rejected stores from worker ids never seen create no worker:
+/// nothing routable with zero blocks, nothing listed, each counted.
+#[test]
+fn events_that_leave_an_unknown_worker_empty_create_no_worker() {
+    let server = NatsServer::start();
+    let ingest = Ingest::start(IngestConfig {
+        nats: Some(nats_opts(&server.url())),
+        shards: 2,
+        ..IngestConfig::default()
+    })
+    .unwrap();
+    let api = api(&ingest);
+    let addr = api.addr().to_string();
+    let url = server.url();
+    let phantoms = 200u64;
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let real = KvPublisher::start(client.clone(), PublisherOptions::new(1))
+                .await
+                .unwrap();
+            let b = vec![(LocalBlockHash(10), SequenceBlockHash(10))];
+            real.stored(0, None, b).await.unwrap();
+            for id in 0..phantoms {
+                let p = KvPublisher::start(
+                    client.clone(),
+                    PublisherOptions {
+                        announce: false,
+                        ..PublisherOptions::new(1000 + id)
+                    },
+                )
+                .await
+                .unwrap();
+                match id % 3 {
+                    0 => p.removed(0, vec![SequenceBlockHash(5)]).await.unwrap(),
+                    1 => p.cleared(0).await.unwrap(),
+                    // A store under a parent it never stored: rejected.
+                    _ => {
+                        let b = vec![(LocalBlockHash(7), SequenceBlockHash(7))];
+                        p.stored(0, Some(SequenceBlockHash(99)), b).await.unwrap()
+                    }
+                };
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    wait_until(
+        "every phantom event counted",
+        Duration::from_secs(10),
+        || metric(&addr, "kvrouter_ingest_unknown_worker_events_total") == phantoms as f64,
+    );
+    wait_until("the real worker listed", Duration::from_secs(10), || {
+        listed(&addr) == [1]
+    });
+    assert_eq!(ingest.workers().len(), 1);
+    for i in 0..10 {
+        let body = format!(r#"{{"block_hashes": [{i}], "request_id": "r{i}"}}"#);
+        let (status, v) = json(http(&addr, "POST", "/v1/route", &body, &[]));
+        assert_eq!((status, v["worker_id"].as_u64()), (200, Some(1)), "{v}");
+    }
+    api.stop();
+    ingest.stop();
+}

@@ -13,6 +13,59 @@ pub fn decode(payload: &[u8]) -> Result<Vec<RouterEvent>, CodecError> {
     }
 }
 
+/// A payload decoded event by event: the events that decode, how many did not, and the
+/// first error.
+#[derive(Debug)]
+pub struct Lenient {
+    /// The events that decoded, in order.
+    pub events: Vec<RouterEvent>,
+    /// Events of the list that did not decode (skipped).
+    pub bad: usize,
+    /// Why the first of them did not.
+    pub first_error: Option<CodecError>,
+}
+
+/// [`decode`], but one malformed event of a list costs only itself: a list that does not
+/// decode whole is decoded element by element. `Err` only when the payload is no list
+/// (or single event) at all.
+pub fn decode_lenient(payload: &[u8]) -> Result<Lenient, CodecError> {
+    let whole = match decode(payload) {
+        Ok(events) => {
+            return Ok(Lenient {
+                events,
+                bad: 0,
+                first_error: None,
+            });
+        }
+        Err(e) => e,
+    };
+    let Ok(elements) = super::vllm::array_elements(payload) else {
+        return Err(whole);
+    };
+    let mut out = Lenient {
+        events: Vec::with_capacity(elements.len()),
+        bad: 0,
+        first_error: None,
+    };
+    for el in elements {
+        match from_msgpack::<RouterEvent>("kv event", el) {
+            Ok(e) => out.events.push(e),
+            Err(e) => {
+                out.bad += 1;
+                out.first_error.get_or_insert(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// [`decode_message`] with [`decode_lenient`].
+pub fn decode_message_lenient(message: &[u8]) -> Result<(Envelope<'_>, Lenient), CodecError> {
+    let env = Envelope::decode_topic(message, TOPIC_KV_EVENTS)?;
+    let events = decode_lenient(env.payload)?;
+    Ok((env, events))
+}
+
 /// Encodes events as a `kv-events` payload (a MessagePack list of named maps).
 pub fn encode(events: &[RouterEvent]) -> Result<Vec<u8>, CodecError> {
     to_msgpack("kv event list", events)
@@ -142,6 +195,28 @@ mod tests {
             r#"{"worker_id":1,"event":{"event_id":1,"data":"exploded"}}"#,
         ] {
             assert!(decode_json(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn one_bad_event_costs_only_itself() {
+        let events = sample();
+        let good: Vec<Vec<u8>> = events.iter().map(|e| to_msgpack("e", e).unwrap()).collect();
+        // [good, {worker_id: nil}, good, good]
+        let mut list = vec![0x94];
+        list.extend_from_slice(&good[0]);
+        list.extend_from_slice(b"\x81\xa9worker_id\xc0");
+        list.extend_from_slice(&good[1]);
+        list.extend_from_slice(&good[2]);
+        assert!(decode(&list).is_err());
+        let l = decode_lenient(&list).unwrap();
+        assert_eq!(l.events, events);
+        assert_eq!(l.bad, 1);
+        assert!(l.first_error.is_some());
+        // A valid list takes the fast path; a broken list structure is still an error.
+        assert_eq!(decode_lenient(&encode(&events).unwrap()).unwrap().bad, 0);
+        for bad in [&b"\x92\x80"[..], b"\xc1", b""] {
+            assert!(decode_lenient(bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -101,6 +101,25 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, CodecError> {
     Ok(batch)
 }
 
+/// The bytes of each element of the MessagePack array `bytes` (which must hold nothing
+/// else), so that each element can be decoded on its own.
+pub(crate) fn array_elements(bytes: &[u8]) -> Result<Vec<&[u8]>, &'static str> {
+    let mut r = Reader { b: bytes, pos: 0 };
+    let Kind::Array(n) = r.kind()? else {
+        return Err("expected an array");
+    };
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = r.pos;
+        r.skip(1)?;
+        out.push(&bytes[start..r.pos]);
+    }
+    if r.pos != bytes.len() {
+        return Err("bytes after the array");
+    }
+    Ok(out)
+}
+
 /// A direct MessagePack reader for the batch: a prompt's token ids are thousands of
 /// integers, and read through serde each costs several times what its byte does (the
 /// decoder was the ingest's largest cost); here an integer is one match on its marker.

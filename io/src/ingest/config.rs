@@ -15,6 +15,11 @@ pub struct IngestConfig {
     /// NATS connection: Dynamo's NATS event plane, worker announcements and recovery
     /// (`None`: no NATS plane).
     pub nats: Option<Options>,
+    /// How long [`super::Ingest::start`] waits for the first NATS connection. A broker
+    /// that refuses us (authentication) fails the start; one that is not reachable yet
+    /// does not: past this wait the ingest runs from what it has (a snapshot, the ZMQ
+    /// planes), not ready, and keeps connecting in the background.
+    pub nats_start_wait: Duration,
     /// Engines that publish the vLLM-native KV-event wire over ZMQ.
     pub zmq_engines: Vec<ZmqEngine>,
     /// Dynamo's file discovery directory (`DYN_FILE_KV`): its workers, routable at once,
@@ -100,6 +105,7 @@ impl Default for IngestConfig {
     fn default() -> Self {
         Self {
             nats: Some(Options::default()),
+            nats_start_wait: Duration::from_secs(3),
             zmq_engines: Vec::new(),
             dynamo_discovery: None,
             zmq: ZmqOptions::default(),

@@ -79,6 +79,8 @@ stats! {
     messages,
     /// Messages that failed to decode (skipped).
     decode_errors,
+    /// Events of a message that failed to decode while the rest of it did (each skipped).
+    malformed_events,
     /// Events applied.
     events,
     /// Blocks named by applied events.
@@ -101,6 +103,9 @@ stats! {
     workers_removed,
     /// Events skipped: not worker-owned or not on the device tier.
     skipped,
+    /// Events for a worker never seen that would have left it with no block (a removal,
+    /// a clear, a rejected or empty store): ignored, so that they create no worker.
+    unknown_worker_events,
     /// Messages dropped by the NATS client because the ingest fell behind.
     nats_dropped,
     /// NATS reconnects.

@@ -142,7 +142,7 @@ impl NatsSource {
                 };
                 let Some(dl) = jetstream::parse_ack_subject(&reply) else {
                     self.hub.bump(|s| s.decode_errors += 1);
-                    tracing::warn!(%reply, "delivery without a JetStream ack subject skipped");
+                    crate::warn_throttled!(%reply, "delivery without a JetStream ack subject skipped");
                     continue;
                 };
                 let applied = dl.stream_seq <= self.hub.durable.dispatched_seq.get();

@@ -127,7 +127,7 @@ async fn watch(hub: Rc<Hub>, dir: PathBuf) {
                 }
                 Err(e) => {
                     hub.bump(|c| c.discovery_errors += 1);
-                    tracing::warn!(error = %e, "discovery names an endpoint we cannot use");
+                    crate::warn_throttled!(error = %e, "discovery names an endpoint we cannot use");
                 }
             }
         }

@@ -110,19 +110,45 @@ impl Hub {
         started: std::sync::mpsc::Sender<Result<(), IngestError>>,
     ) {
         let hub = Rc::new(self);
-        let nats = match hub.cfg.nats.clone() {
-            Some(opts) => match NatsSource::start(Rc::clone(&hub), opts).await {
-                Ok(n) => Some(n),
-                Err(e) => {
-                    let _ = started.send(Err(e));
-                    return;
+        // The NATS source, once it has started (maybe after this core began serving).
+        let nats: Rc<RefCell<Option<Rc<NatsSource>>>> = Rc::default();
+        match hub.cfg.nats.clone() {
+            Some(opts) => {
+                let (first_tx, first_rx) = flume::bounded(1);
+                let (h, cell) = (Rc::clone(&hub), Rc::clone(&nats));
+                glommio::spawn_local(async move {
+                    match NatsSource::start(h, opts).await {
+                        Ok(n) => {
+                            *cell.borrow_mut() = Some(n);
+                            let _ = first_tx.try_send(Ok(()));
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %crate::Chain(&e), "the NATS plane could not start");
+                            let _ = first_tx.try_send(Err(e));
+                        }
+                    }
+                })
+                .detach();
+                let wait = hub.cfg.nats_start_wait;
+                let first = async { first_rx.recv_async().await.ok() };
+                let waited = async {
+                    glommio::timer::sleep(wait).await;
+                    None
+                };
+                match futures_lite::future::or(first, waited).await {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => {
+                        let _ = started.send(Err(e));
+                        return;
+                    }
+                    None => tracing::warn!(
+                        waited_ms = wait.as_millis() as u64,
+                        "NATS not reachable yet: serving from the current state, not ready, still connecting"
+                    ),
                 }
-            },
-            None => {
-                hub.ready.store(true, Ordering::Release);
-                None
             }
-        };
+            None => hub.ready.store(true, Ordering::Release),
+        }
         let zmq = super::zmq_source::start(&hub).await;
         let plane = hub
             .cfg
@@ -130,12 +156,13 @@ impl Hub {
             .clone()
             .map(|dir| super::dynamo_plane::start(&hub, dir));
         let _ = started.send(Ok(()));
-        let (h, n) = (Rc::clone(&hub), nats.clone());
+        let (h, n) = (Rc::clone(&hub), Rc::clone(&nats));
         let ticks = glommio::spawn_local(async move {
             loop {
                 glommio::timer::sleep(Duration::from_millis(100)).await;
                 h.reap().await;
-                if let Some(n) = &n {
+                let source = n.borrow().clone();
+                if let Some(n) = source {
                     n.tick();
                 }
             }
@@ -161,14 +188,17 @@ impl Hub {
                     worker_id,
                     dp_rank,
                     range,
-                } => match &nats {
-                    Some(n) => n.recover_into(shard, worker_id, dp_rank, range),
-                    None => {
-                        let result = Recovered::Failed("no NATS plane to ask".into());
-                        let cmd = ShardCmd::Recovered { worker_id, result };
-                        let _ = hub.shards.send(shard, cmd).await;
+                } => {
+                    let source = nats.borrow().clone();
+                    match source {
+                        Some(n) => n.recover_into(shard, worker_id, dp_rank, range),
+                        None => {
+                            let result = Recovered::Failed("no NATS plane to ask".into());
+                            let cmd = ShardCmd::Recovered { worker_id, result };
+                            let _ = hub.shards.send(shard, cmd).await;
+                        }
                     }
-                },
+                }
                 SourceCmd::Snapshot { reply } => {
                     let h = Rc::clone(&hub);
                     glommio::spawn_local(async move {
@@ -180,7 +210,8 @@ impl Hub {
             }
         }
         drop((ticks, snapshots, zmq, plane));
-        if let Some(n) = nats {
+        let source = nats.borrow_mut().take();
+        if let Some(n) = source {
             // Acknowledge what was applied before leaving.
             n.stop().await;
         }

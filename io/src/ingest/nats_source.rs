@@ -151,7 +151,7 @@ impl NatsSource {
                     Ok(a) => m.on_announcement(a).await,
                     Err(e) => {
                         m.hub.bump(|s| s.decode_errors += 1);
-                        tracing::warn!(error = %e, "malformed worker announcement");
+                        crate::warn_throttled!(error = %e, "malformed worker announcement");
                     }
                 }
             }
@@ -183,14 +183,22 @@ impl NatsSource {
     /// One kv-events message: decoded and handed to the shards.
     pub(super) async fn on_events(&self, payload: &[u8]) {
         let arrived = Instant::now();
-        let (publisher, events) = match kv::decode_message(payload) {
-            Ok((env, events)) => (env.publisher_id, events),
+        let (publisher, events) = match kv::decode_message_lenient(payload) {
+            Ok((env, decoded)) => {
+                if decoded.bad > 0 {
+                    self.hub.bump(|s| s.malformed_events += decoded.bad as u64);
+                    if let Some(e) = &decoded.first_error {
+                        crate::warn_throttled!(error = %e, bad = decoded.bad, "malformed events skipped; the rest of their message applied");
+                    }
+                }
+                (env.publisher_id, decoded.events)
+            }
             Err(e) => {
                 self.hub.bump(|s| {
                     s.messages += 1;
                     s.decode_errors += 1;
                 });
-                tracing::warn!(error = %e, kind = e.kind(), "undecodable kv-events message skipped");
+                crate::warn_throttled!(error = %e, kind = e.kind(), "undecodable kv-events message skipped");
                 return;
             }
         };

@@ -10,7 +10,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use kvrouter_core::event::RouterEvent;
+use kvrouter_core::event::{KvEventData, RouterEvent};
 use kvrouter_core::index::tree::{ShardMap, ShardWriter};
 use kvrouter_core::index::{ApplyError, WorkerSummary};
 use kvrouter_core::recovery::{EventIds, Verdict};
@@ -285,6 +285,14 @@ impl ShardCore {
         }
         let w = e.worker();
         let id = e.event.event_id;
+        // A worker is made known by what it holds (or by discovery): a removal or clear
+        // for one never seen would only create a worker with no block, which routing
+        // would then offer. Ignored, counted, no state kept.
+        let known = self.knows(w);
+        if !known && !matches!(e.event.data, KvEventData::Stored(_)) {
+            self.unknown_worker(w);
+            return;
+        }
         match self.ids.verdict(w, id, publisher) {
             Verdict::Apply => self.apply(e, publisher),
             Verdict::Duplicate => self.stats.duplicates += 1,
@@ -305,7 +313,7 @@ impl ShardCore {
                         .push_back((e, publisher));
                     self.recover(w.worker_id, Some(w.dp_rank), Some((first, last)));
                 } else {
-                    tracing::warn!(worker = %w, first, last, "gap in the events of a worker without a local indexer");
+                    crate::warn_throttled!(worker = %w, first, last, "gap in the events of a worker without a local indexer");
                     self.apply(e, publisher);
                 }
             }
@@ -316,14 +324,26 @@ impl ShardCore {
         let w = e.worker();
         let id = e.event.event_id;
         let blocks = e.block_count() as u64;
-        match self.writer.apply_event(&e) {
+        let new = !self.knows(w);
+        let result = self.writer.apply_event(&e);
+        if new && self.writer.summary(w).is_none_or(|s| s.blocks == 0) {
+            // A first event that left the worker holding nothing (rejected, or empty).
+            if result.is_err() {
+                self.stats.rejected += 1;
+            }
+            self.writer.remove_dp(w);
+            self.ids.forget(w);
+            self.unknown_worker(w);
+            return;
+        }
+        match result {
             Ok(_) => {
                 self.stats.events += 1;
                 self.stats.event_blocks += blocks;
             }
             Err(err) => {
                 self.stats.rejected += 1;
-                tracing::warn!(worker = %w, error = %err, "event rejected");
+                crate::warn_throttled!(worker = %w, error = %err, "event rejected");
                 if matches!(err, ApplyError::ParentNotFound { .. })
                     && self.announced.contains_key(&w.worker_id)
                 {
@@ -341,6 +361,33 @@ impl ShardCore {
 
     fn summarize(&mut self, w: WorkerDp) {
         self.summaries.touch(w);
+    }
+
+    /// Whether `w` has state here: blocks or an event id in the index, a listing from
+    /// discovery, or an announced local indexer.
+    fn knows(&self, w: WorkerDp) -> bool {
+        self.writer.summary(w).is_some()
+            || self.registered.contains(&w)
+            || self.announced.contains_key(&w.worker_id)
+    }
+
+    /// Counts an event that would have made a worker known with nothing to route to, and
+    /// gives its shard back when no rank of the worker is known.
+    fn unknown_worker(&mut self, w: WorkerDp) {
+        self.stats.unknown_worker_events += 1;
+        crate::warn_throttled!(
+            worker = %w,
+            "event for a worker never seen would leave it with no block: ignored"
+        );
+        let any_rank = self.registered.iter().any(|r| r.worker_id == w.worker_id)
+            || self
+                .writer
+                .workers()
+                .iter()
+                .any(|s| s.worker.worker_id == w.worker_id);
+        if !any_rank {
+            self.map.release(w.worker_id);
+        }
     }
 
     fn recovered(&mut self, worker_id: WorkerId, result: Recovered) {
@@ -378,7 +425,7 @@ impl ShardCore {
             }
             Recovered::Failed(why) => {
                 self.stats.recovery_failures += 1;
-                tracing::warn!(worker_id, %why, "recovery failed: applying its events best effort");
+                crate::warn_throttled!(worker_id, %why, "recovery failed: applying its events best effort");
                 // Accept whatever comes next as the new baseline.
                 self.ids.forget_worker(worker_id);
             }

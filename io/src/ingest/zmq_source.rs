@@ -137,7 +137,7 @@ impl Publisher {
                     self.connected = self.connected.saturating_sub(1);
                     self.hub.workers.unpin(self.worker.worker_id, now);
                     if self.may_warn(0) {
-                        tracing::warn!(engine = %self.name, worker = %self.worker, error = %crate::Chain(&error), "publisher connection lost");
+                        crate::warn_throttled!(engine = %self.name, worker = %self.worker, error = %crate::Chain(&error), "publisher connection lost");
                     }
                 }
                 SubEvent::Failed { error } => {
@@ -184,7 +184,7 @@ impl Publisher {
     fn malformed(&mut self, what: &'static str) {
         self.hub.bump(|s| s.decode_errors += 1);
         if self.may_warn(2) {
-            tracing::warn!(engine = %self.name, what, "malformed ZMQ message skipped");
+            crate::warn_throttled!(engine = %self.name, what, "malformed ZMQ message skipped");
         }
     }
 
@@ -208,7 +208,7 @@ impl Publisher {
                 // only when it restarted (above), since a gap usually loses few events.
                 self.hub.bump(|s| s.zmq_replay_failures += 1);
                 if self.may_warn(0) {
-                    tracing::warn!(engine = %self.name, worker = %self.worker, from, to, "gap and no replay socket: events lost");
+                    crate::warn_throttled!(engine = %self.name, worker = %self.worker, from, to, "gap and no replay socket: events lost");
                 }
             }
             return;
@@ -246,7 +246,7 @@ impl Publisher {
             // batches are gone, so what is left is applied best effort (stores below a lost
             // parent are refused and counted).
             self.hub.bump(|s| s.zmq_replay_failures += 1);
-            tracing::warn!(engine = %self.name, worker = %self.worker, to, first = items.first().map(|i| i.seq), "the engine's oldest batches are gone: catching up best effort");
+            crate::warn_throttled!(engine = %self.name, worker = %self.worker, to, first = items.first().map(|i| i.seq), "the engine's oldest batches are gone: catching up best effort");
         } else {
             self.hub.bump(|s| s.zmq_replays += 1);
         }
@@ -257,7 +257,7 @@ impl Publisher {
 
     async fn replay_failed(&mut self, from: u64, to: u64, why: &str) {
         self.hub.bump(|s| s.zmq_replay_failures += 1);
-        tracing::warn!(engine = %self.name, worker = %self.worker, from, to, why, "replay failed: resetting the worker, it refills from its next events");
+        crate::warn_throttled!(engine = %self.name, worker = %self.worker, from, to, why, "replay failed: resetting the worker, it refills from its next events");
         self.reset().await;
     }
 
@@ -267,7 +267,7 @@ impl Publisher {
             Err(e) => {
                 self.hub.bump(|s| s.decode_errors += 1);
                 if self.may_warn(2) {
-                    tracing::warn!(engine = %self.name, error = %e, kind = e.kind(), "undecodable engine batch skipped");
+                    crate::warn_throttled!(engine = %self.name, error = %e, kind = e.kind(), "undecodable engine batch skipped");
                 }
                 return;
             }

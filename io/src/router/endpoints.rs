@@ -59,6 +59,8 @@ pub(super) struct State {
     pub(super) counters: ApiCounters,
     /// The listener's counters (connections, framing, deadlines).
     pub(super) http: Rc<HttpStats>,
+    /// The replica publisher's counters.
+    pub(super) replica: Rc<super::replica::ReplicaStats>,
     times: DecisionTimes,
     replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
     /// The candidates from the static list and the ingest, sorted, as of the ingest's
@@ -84,6 +86,7 @@ impl State {
             start: Instant::now(),
             counters: ApiCounters::default(),
             http: Rc::default(),
+            replica: Rc::default(),
             times: DecisionTimes::default(),
             replica_tx,
             known: Vec::new(),
@@ -301,7 +304,7 @@ impl State {
                 lora_name,
             };
             match tx.try_send(e) {
-                Ok(()) => self.counters.replica_out += 1,
+                Ok(()) => self.counters.replica_queued += 1,
                 Err(_) => self.counters.replica_dropped += 1,
             }
         }
@@ -395,6 +398,7 @@ impl State {
                 metrics::render(
                     &self.counters,
                     &self.http,
+                    &self.replica,
                     &self.times,
                     self.decider.slots(),
                     self.ingest.as_ref(),

@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 
 use kvrouter_core::slots::Slots;
 
+use super::replica::ReplicaStats;
 use crate::http::HttpStats;
 use crate::ingest::IngestView;
 
@@ -14,7 +15,7 @@ pub(super) struct ApiCounters {
     pub(super) overlaps: u64,
     pub(super) client_errors: u64,
     pub(super) replica_in: u64,
-    pub(super) replica_out: u64,
+    pub(super) replica_queued: u64,
     pub(super) replica_dropped: u64,
     pub(super) expired: u64,
     pub(super) workers_removed: u64,
@@ -67,6 +68,7 @@ fn metric(out: &mut String, name: &str, kind: &str, help: &str, v: impl std::fmt
 pub(super) fn render(
     c: &ApiCounters,
     http: &HttpStats,
+    replica: &ReplicaStats,
     times: &DecisionTimes,
     slots: &Slots,
     ingest: Option<&IngestView>,
@@ -94,9 +96,29 @@ pub(super) fn render(
             c.replica_in,
         ),
         (
-            "kvrouter_replica_events_out_total",
+            "kvrouter_replica_events_queued_total",
             "Replica-sync events handed to the publisher.",
-            c.replica_out,
+            c.replica_queued,
+        ),
+        (
+            "kvrouter_replica_events_out_total",
+            "Replica-sync events in messages the NATS client accepted.",
+            replica.out.get(),
+        ),
+        (
+            "kvrouter_replica_events_degraded_total",
+            "AddRequests sent with their blocks cut to fit the broker's max_payload.",
+            replica.degraded.get(),
+        ),
+        (
+            "kvrouter_replica_events_unsent_total",
+            "Replica-sync events not sent: too big in every form, or their publish failed.",
+            replica.unsent.get(),
+        ),
+        (
+            "kvrouter_replica_messages_out_total",
+            "Replica-sync messages published.",
+            replica.messages.get(),
         ),
         (
             "kvrouter_replica_events_dropped_total",

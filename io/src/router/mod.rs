@@ -71,6 +71,9 @@ pub struct RouterConfig {
     pub subjects: Subjects,
     /// NATS connection (replica sync).
     pub nats: Options,
+    /// How long the start waits for replica sync's first connection (then it goes on
+    /// connecting in the background; a broker that refuses us fails the start).
+    pub nats_start_wait: Duration,
     /// Requests not heard of for this long are released.
     pub stale_after: Duration,
     /// Bearer token guarding mutating endpoints.
@@ -100,6 +103,7 @@ impl Default for RouterConfig {
             router_id: 0,
             subjects: Subjects::default(),
             nats: Options::default(),
+            nats_start_wait: Duration::from_secs(3),
             stale_after: Duration::from_secs(600),
             auth_token: None,
             seed: 0,
@@ -248,13 +252,37 @@ async fn run(
         cfg.replica_sync.then_some(replica_tx),
     )));
     if cfg.replica_sync {
-        let started = match Client::connect(cfg.nats.clone()).await {
-            Ok(client) => replica::start(client, Rc::clone(&state), replica_rx, &cfg).await,
-            Err(e) => Err(e),
+        // Connected in the background: a broker not reachable yet delays replica sync
+        // (its events wait in the queue, up to its bound), never the API. One that
+        // refuses us fails the start.
+        let (first_tx, first_rx) = flume::bounded::<Result<(), NatsError>>(1);
+        let (st, c) = (Rc::clone(&state), cfg.clone());
+        glommio::spawn_local(async move {
+            let started = match Client::connect(c.nats.clone()).await {
+                Ok(client) => {
+                    let stats = Rc::clone(&st.borrow().replica);
+                    replica::start(client, st, replica_rx, stats, &c).await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = &started {
+                tracing::error!(error = %e, "replica sync could not start");
+            }
+            let _ = first_tx.try_send(started);
+        })
+        .detach();
+        let first = async { first_rx.recv_async().await.ok() };
+        let waited = async {
+            glommio::timer::sleep(cfg.nats_start_wait).await;
+            None
         };
-        if let Err(e) = started {
-            let _ = addr_tx.send(Err(RouterError::ReplicaSync(e)));
-            return;
+        match futures_lite::future::or(first, waited).await {
+            Some(Err(e)) => {
+                let _ = addr_tx.send(Err(RouterError::ReplicaSync(e)));
+                return;
+            }
+            Some(Ok(())) => {}
+            None => tracing::warn!("replica sync: NATS not reachable yet, still connecting"),
         }
     }
     // Stale requests.

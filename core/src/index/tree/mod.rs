@@ -227,6 +227,11 @@ impl ShardWriter {
         self.remove_worker_in(worker_id, &crossbeam_epoch::pin())
     }
 
+    /// Drops and forgets one (worker, dp rank); the worker's other ranks stay.
+    pub fn remove_dp(&mut self, worker: WorkerDp) -> usize {
+        self.remove_slots_in(|w| w == worker, &crossbeam_epoch::pin())
+    }
+
     /// The workers of this shard.
     pub fn workers(&self) -> Vec<WorkerSummary> {
         let mut v: Vec<WorkerSummary> = self.summaries().collect();

@@ -168,7 +168,7 @@ impl Client {
                     return;
                 }
             }
-            tracing::warn!(error = %err, "nats: connection lost, reconnecting");
+            crate::warn_throttled!(error = %err, "nats: connection lost, reconnecting");
         }
     }
 
@@ -296,7 +296,7 @@ impl Client {
             ServerOp::Ok => {}
             ServerOp::Err(e) => {
                 s.stats.server_errors += 1;
-                tracing::warn!(error = %e, "nats: server error");
+                crate::warn_throttled!(error = %e, "nats: server error");
                 let err = NatsError::Server(e.clone());
                 s.last_error = Some(err.clone());
                 // Permission errors on one subject keep the connection; the rest end it.
@@ -320,7 +320,7 @@ impl Client {
             }
             if s.pings_outstanding >= 2 {
                 drop(s);
-                tracing::warn!("nats: server stopped answering PINGs");
+                crate::warn_throttled!("nats: server stopped answering PINGs");
                 let _ = self.0.kill.try_send(());
                 continue;
             }

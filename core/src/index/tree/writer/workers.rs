@@ -15,10 +15,19 @@ impl ShardWriter {
     }
 
     pub(crate) fn remove_worker_in(&mut self, worker_id: WorkerId, guard: &Guard) -> usize {
+        self.remove_slots_in(|w| w.worker_id == worker_id, guard)
+    }
+
+    /// Drops and forgets every (worker, dp rank) that `which` selects.
+    pub(crate) fn remove_slots_in(
+        &mut self,
+        which: impl Fn(WorkerDp) -> bool,
+        guard: &Guard,
+    ) -> usize {
         let slots: Vec<(WorkerDp, u32)> = self
             .slot_of
             .iter()
-            .filter(|(w, _)| w.worker_id == worker_id)
+            .filter(|(w, _)| which(**w))
             .map(|(w, s)| (*w, *s))
             .collect();
         self.garbage.collect();
