@@ -38,6 +38,9 @@ impl Throttle {
     }
 
     fn allow_at(&self, now: u64) -> Option<u64> {
+        // Relaxed throughout: the two counters publish no other data, and a count that a
+        // racing thread adds just after the winner's swap is reported with the next line
+        // instead (never lost: every increment lands in `suppressed`).
         let last = self.last.load(Ordering::Relaxed);
         if last != 0 && now < last.saturating_add(self.interval_ms) {
             self.suppressed.fetch_add(1, Ordering::Relaxed);
