@@ -18,6 +18,7 @@ pub mod concurrent;
 #[cfg(feature = "dynamo")]
 pub mod dynamo;
 pub mod harness;
+pub mod hostile;
 pub mod ingest;
 pub mod perf;
 pub mod recovery;

@@ -77,6 +77,10 @@ pub struct Limits {
     pub max_active_per_worker: usize,
     /// Bytes of a request id (256).
     pub max_request_id_bytes: usize,
+    /// Blocks all active requests hold together (4 Mi); past it the oldest requests' blocks
+    /// are shed (see [`Slots`]). Without it, `max_active_requests` requests of `max_blocks`
+    /// each could pin hundreds of GiB.
+    pub max_active_blocks: u64,
 }
 
 impl Limits {
@@ -86,6 +90,7 @@ impl Limits {
         max_active_requests: usize::MAX,
         max_active_per_worker: usize::MAX,
         max_request_id_bytes: usize::MAX,
+        max_active_blocks: u64::MAX,
     };
 }
 
@@ -96,6 +101,7 @@ impl Default for Limits {
             max_active_requests: 65_536,
             max_active_per_worker: 4_096,
             max_request_id_bytes: 256,
+            max_active_blocks: 4 << 20,
         }
     }
 }
@@ -248,6 +254,7 @@ impl Decider {
     pub fn new(cfg: DeciderConfig) -> Self {
         let mut slots = Slots::new(cfg.stale_after_ms);
         slots.set_worker_cap(cfg.limits.max_active_per_worker as u64);
+        slots.set_block_budget(cfg.limits.max_active_blocks);
         Self {
             slots,
             approx: cfg.approximate.map(ApproxIndex::new),
@@ -452,9 +459,10 @@ impl Decider {
 
     /// Applies another replica's slot change (its own messages are the caller's to skip).
     /// Returns the worker it concerned, or why it did not apply. The limits hold here too:
-    /// past [`Limits::max_active_requests`] an add is refused, and a prompt longer than
-    /// [`Limits::max_blocks`] is kept as its first `max_blocks` blocks (its load is then
-    /// undercounted, never its request lost: its free still finds it).
+    /// past [`Limits::max_active_requests`] an add is refused, a prompt longer than
+    /// [`Limits::max_blocks`] is kept as its first `max_blocks` blocks, and the block budget
+    /// sheds as for a decision (a load is then undercounted, never a request lost: its
+    /// free still finds it).
     pub fn apply_replica(
         &mut self,
         e: ActiveSequenceEvent,
@@ -671,6 +679,7 @@ mod tests {
                 max_active_requests: 3,
                 max_active_per_worker: 1,
                 max_request_id_bytes: 8,
+                max_active_blocks: u64::MAX,
             },
             ..Default::default()
         });
@@ -735,6 +744,29 @@ mod tests {
     }
 
     #[test]
+    fn the_block_budget_sheds_old_requests_never_refuses() {
+        let mut d = Decider::new(DeciderConfig {
+            limits: Limits {
+                max_active_blocks: 5,
+                ..Limits::default()
+            },
+            ..Default::default()
+        });
+        let l = locals(&[1, 2, 3]);
+        d.decide(None, &W, route(&l, Some("a")), seqs(&l), 0)
+            .unwrap();
+        d.decide(None, &W, route(&l, Some("b")), seqs(&l), 0)
+            .unwrap();
+        // `a` gave its blocks up for `b`; both are active, and both can be freed.
+        assert_eq!(d.slots().held_blocks(), 3);
+        assert_eq!(d.slots().shed_requests(), 1);
+        assert_eq!(d.slots().active_requests(), 2);
+        d.free("a").unwrap();
+        d.free("b").unwrap();
+        assert_eq!(d.slots().held_blocks(), 0);
+    }
+
+    #[test]
     fn replicas_are_held_to_the_limits() {
         let mut d = Decider::new(DeciderConfig {
             limits: Limits {
@@ -763,5 +795,20 @@ mod tests {
             Err(SlotError::Full { max: 1 })
         );
         assert_eq!(d.free("a"), Ok(W[0]));
+        // Past the block budget a replica's request is counted without its blocks.
+        let mut d = Decider::new(DeciderConfig {
+            limits: Limits {
+                max_active_blocks: 6,
+                ..Limits::default()
+            },
+            ..Default::default()
+        });
+        assert_eq!(d.apply_replica(add("a"), 0), Ok(W[0]));
+        assert_eq!(d.apply_replica(add("b"), 0), Ok(W[0]));
+        assert_eq!(d.slots().held_blocks(), 4);
+        assert_eq!(d.slots().load(W[0]).active_requests, 2);
+        assert_eq!(d.free("b"), Ok(W[0]));
+        assert_eq!(d.free("a"), Ok(W[0]));
+        assert_eq!(d.slots().held_blocks(), 0);
     }
 }

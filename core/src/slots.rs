@@ -18,10 +18,20 @@
 //!
 //! A worker whose last request is released keeps its (empty) block map, so that a worker
 //! that goes idle between requests does not allocate and free a map per request; the map
-//! goes when the worker is removed.
+//! goes when the worker is removed, and its memory when it was grown past
+//! [`KEEP_IDLE_CAPACITY`] (a huge prompt must not leave megabytes behind per worker); a busy
+//! worker's map shrinks when it holds less than a quarter of its capacity.
+//!
+//! Memory is bounded by a block budget ([`Slots::set_block_budget`]): when a new request's
+//! blocks would take the blocks all requests hold past it, the oldest requests holding
+//! blocks are *shed*: their blocks are released while they stay active (their request and
+//! prefill counts remain, their free still finds them). A client that routes and never
+//! frees thus costs others precision about its own old requests, never their admission.
+//! Shedding whole requests keeps every worker's held set a union of whole chains, so it
+//! stays prefix-closed.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::hash::MixBuildHasher;
 use crate::index::OverlapScores;
@@ -29,6 +39,9 @@ use crate::policy::Candidate;
 use crate::worker::{WorkerDp, WorkerId};
 
 type Map<K, V> = HashMap<K, V, MixBuildHasher>;
+
+/// An idle worker's block map keeps its memory up to this many entries.
+pub const KEEP_IDLE_CAPACITY: usize = 4_096;
 
 /// Why a slot operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,6 +85,8 @@ struct Active {
     blocks: Vec<u64>,
     prefill_tokens: u64,
     last_ms: u64,
+    /// Order of its add (the key in [`Slots::holding`] while it holds blocks).
+    seq: u64,
 }
 
 /// See the [module docs](self).
@@ -84,6 +99,16 @@ pub struct Slots {
     worker_cap: u64,
     /// Workers with `worker_cap` or more active requests.
     full: usize,
+    /// Blocks of all active requests together (a block shared by two requests counts
+    /// twice: this is what their lists hold).
+    held_blocks: u64,
+    /// Most `held_blocks` before the oldest requests are shed.
+    block_budget: u64,
+    /// Requests holding blocks, oldest first (by `Active::seq`).
+    holding: BTreeMap<u64, String>,
+    next_seq: u64,
+    /// Requests whose blocks were shed, ever.
+    shed_requests: u64,
 }
 
 /// The length of the longest prefix of `blocks` (a chain of sequence hashes) that `held`
@@ -114,6 +139,11 @@ impl Slots {
             requests: HashMap::new(),
             worker_cap: u64::MAX,
             full: 0,
+            held_blocks: 0,
+            block_budget: u64::MAX,
+            holding: BTreeMap::new(),
+            next_seq: 0,
+            shed_requests: 0,
         }
     }
 
@@ -126,6 +156,39 @@ impl Slots {
     fn recount_full(&mut self) {
         let cap = self.worker_cap;
         self.full = self.workers.values().filter(|w| w.requests >= cap).count();
+    }
+
+    /// Sheds the oldest requests' blocks whenever the blocks all requests hold would pass
+    /// `max` (see the [module docs](self)); a request of more than `max` blocks is held
+    /// without its blocks.
+    pub fn set_block_budget(&mut self, max: u64) {
+        self.block_budget = max;
+        self.shed_to(0);
+    }
+
+    /// Sheds the oldest requests until `more` blocks fit in the budget.
+    fn shed_to(&mut self, more: u64) {
+        while self.held_blocks.saturating_add(more) > self.block_budget {
+            let Some((_, id)) = self.holding.pop_first() else {
+                return;
+            };
+            let Some(r) = self.requests.get_mut(&id) else {
+                debug_assert!(false, "a holding request is active");
+                continue;
+            };
+            let blocks = std::mem::take(&mut r.blocks);
+            let worker = r.worker;
+            self.held_blocks -= blocks.len() as u64;
+            self.shed_requests += 1;
+            if let Some(w) = self.workers.get_mut(&worker) {
+                Self::release_blocks(w, &blocks);
+            }
+        }
+    }
+
+    /// Requests whose blocks were shed to stay within the budget, ever.
+    pub fn shed_requests(&self) -> u64 {
+        self.shed_requests
     }
 
     /// Whether some worker is full (cheap: a counter).
@@ -153,6 +216,18 @@ impl Slots {
         if self.requests.contains_key(request_id) {
             return Err(SlotError::DuplicateRequest(request_id.into()));
         }
+        let blocks = if blocks.len() as u64 > self.block_budget {
+            self.shed_requests += 1;
+            Vec::new()
+        } else {
+            self.shed_to(blocks.len() as u64);
+            blocks
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        if !blocks.is_empty() {
+            self.holding.insert(seq, request_id.into());
+        }
         let w = self.workers.entry(worker).or_default();
         w.blocks.reserve(blocks.len());
         for &b in &blocks {
@@ -163,6 +238,7 @@ impl Slots {
         if w.requests == self.worker_cap {
             self.full += 1;
         }
+        self.held_blocks += blocks.len() as u64;
         self.requests.insert(
             request_id.into(),
             Active {
@@ -170,6 +246,7 @@ impl Slots {
                 blocks,
                 prefill_tokens,
                 last_ms: now_ms,
+                seq,
             },
         );
         Ok(())
@@ -205,11 +282,8 @@ impl Slots {
         Ok(r.worker)
     }
 
-    fn release(&mut self, r: &Active) {
-        let Some(w) = self.workers.get_mut(&r.worker) else {
-            return;
-        };
-        for &b in &r.blocks {
+    fn release_blocks(w: &mut WorkerSlots, blocks: &[u64]) {
+        for &b in blocks {
             if let Entry::Occupied(mut e) = w.blocks.entry(b) {
                 *e.get_mut() -= 1;
                 if *e.get() == 0 {
@@ -217,6 +291,24 @@ impl Slots {
                 }
             }
         }
+        // A map that held a huge load keeps no more than four times what it holds now
+        // (amortised: half its entries go between two shrinks), so that its memory follows
+        // the load instead of its high-water mark.
+        let (len, cap) = (w.blocks.len(), w.blocks.capacity());
+        if cap > KEEP_IDLE_CAPACITY && len < cap / 4 {
+            w.blocks.shrink_to(len * 2);
+        }
+    }
+
+    fn release(&mut self, r: &Active) {
+        if !r.blocks.is_empty() {
+            self.held_blocks -= r.blocks.len() as u64;
+            self.holding.remove(&r.seq);
+        }
+        let Some(w) = self.workers.get_mut(&r.worker) else {
+            return;
+        };
+        Self::release_blocks(w, &r.blocks);
         w.prefill_tokens -= r.prefill_tokens;
         if w.requests == self.worker_cap {
             self.full -= 1;
@@ -224,8 +316,12 @@ impl Slots {
         w.requests -= 1;
         if w.requests == 0 {
             debug_assert!(w.blocks.is_empty() && w.prefill_tokens == 0);
-            // Empty already; this resets the removals' tombstones, keeping the capacity.
-            w.blocks.clear();
+            if w.blocks.capacity() > KEEP_IDLE_CAPACITY {
+                w.blocks = Map::default();
+            } else {
+                // Empty already; this resets the removals' tombstones, keeping the capacity.
+                w.blocks.clear();
+            }
         }
     }
 
@@ -249,14 +345,27 @@ impl Slots {
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.requests.retain(|_, r| r.worker.worker_id != worker_id);
         self.workers.retain(|w, _| w.worker_id != worker_id);
-        self.recount_full();
+        self.recount();
     }
 
     /// Drops every request of one (worker, dp rank).
     pub fn remove(&mut self, worker: WorkerDp) {
         self.requests.retain(|_, r| r.worker != worker);
         self.workers.remove(&worker);
+        self.recount();
+    }
+
+    fn recount(&mut self) {
         self.recount_full();
+        self.held_blocks = self.requests.values().map(|r| r.blocks.len() as u64).sum();
+        let requests = &self.requests;
+        self.holding.retain(|_, id| requests.contains_key(id));
+    }
+
+    /// Blocks the active requests hold in all (each request's whole list: what memory
+    /// they pin).
+    pub fn held_blocks(&self) -> u64 {
+        self.held_blocks
     }
 
     /// A worker's load.
@@ -378,6 +487,63 @@ mod tests {
             (c[0].device_overlap_blocks, c[1].device_overlap_blocks),
             (0, 2)
         );
+    }
+
+    #[test]
+    fn the_budget_sheds_the_oldest_holders_first() {
+        let b = WorkerDp::new(2, 0);
+        let mut s = Slots::new(1000);
+        s.set_block_budget(6);
+        s.add("r1", A, vec![1, 2, 3], 30, 0).unwrap();
+        s.add("r2", b, vec![7, 8], 20, 1).unwrap();
+        s.add("r3", A, vec![1, 2], 10, 2).unwrap();
+        assert_eq!(s.held_blocks(), 4);
+        // 3 + 2 + 2 = 7 > 6: r1, the oldest, was shed; r3 still holds 1 and 2 on A.
+        assert_eq!(s.shed_requests(), 1);
+        assert_eq!(
+            s.load(A),
+            WorkerLoad {
+                active_blocks: 2,
+                active_prefill_tokens: 40,
+                active_requests: 2
+            }
+        );
+        assert_eq!(s.potential_blocks(A, &[1, 2, 3]), 3);
+        // Freeing a shed request releases what it still holds, and only that.
+        assert_eq!(s.free("r1"), Ok(A));
+        assert_eq!(s.load(A).active_blocks, 2);
+        assert_eq!(s.held_blocks(), 4);
+        // Larger than the whole budget: held without blocks, nobody shed for it.
+        s.add("big", b, (100..110).collect(), 0, 3).unwrap();
+        assert_eq!((s.held_blocks(), s.shed_requests()), (4, 2));
+        assert_eq!(s.load(b).active_requests, 2);
+        // Lowering the budget sheds at once, oldest first (r2, then r3).
+        s.set_block_budget(2);
+        assert_eq!(s.held_blocks(), 2);
+        assert_eq!(s.load(b).active_blocks, 0);
+        assert_eq!(s.load(A).active_blocks, 2);
+        s.remove(A);
+        assert_eq!(s.held_blocks(), 0);
+        for id in ["r2", "big"] {
+            assert_eq!(s.free(id), Ok(b));
+        }
+        assert_eq!(s.active_requests(), 0);
+    }
+
+    #[test]
+    fn an_idle_worker_gives_a_huge_map_back() {
+        let mut s = Slots::new(1000);
+        s.add("huge", A, (0..100_000).collect(), 0, 0).unwrap();
+        s.add("small", A, vec![0, 1], 0, 0).unwrap();
+        s.free("huge").unwrap();
+        assert!(s.workers[&A].blocks.capacity() < 100);
+        s.free("small").unwrap();
+        s.add("huge", A, (0..100_000).collect(), 0, 0).unwrap();
+        s.free("huge").unwrap();
+        assert_eq!(s.workers[&A].blocks.capacity(), 0);
+        s.add("small", A, vec![1, 2], 0, 0).unwrap();
+        s.free("small").unwrap();
+        assert!(s.workers[&A].blocks.capacity() > 0);
     }
 
     #[test]

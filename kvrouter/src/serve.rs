@@ -121,6 +121,9 @@ pub(crate) struct ServeArgs {
     /// Most active requests per worker and dp rank (a full worker is skipped; all full: 429).
     #[arg(long, env = "KVROUTER_MAX_ACTIVE_PER_WORKER")]
     max_active_per_worker: Option<usize>,
+    /// Most blocks all active requests hold together (more: 429).
+    #[arg(long, env = "KVROUTER_MAX_ACTIVE_BLOCKS")]
+    max_active_blocks: Option<u64>,
     /// Longest request id, bytes (longer: 400).
     #[arg(long, env = "KVROUTER_MAX_REQUEST_ID_BYTES")]
     max_request_id_bytes: Option<usize>,
@@ -210,6 +213,7 @@ pub(crate) struct ServeConfig {
     max_request_blocks: usize,
     max_active_requests: usize,
     max_active_per_worker: usize,
+    max_active_blocks: u64,
     max_request_id_bytes: usize,
     max_connections: usize,
     header_timeout_secs: u64,
@@ -261,6 +265,7 @@ impl Default for ServeConfig {
             max_request_blocks: limits.max_blocks,
             max_active_requests: limits.max_active_requests,
             max_active_per_worker: limits.max_active_per_worker,
+            max_active_blocks: limits.max_active_blocks,
             max_request_id_bytes: limits.max_request_id_bytes,
             max_connections: http.max_connections,
             header_timeout_secs: http.header_timeout.as_secs(),
@@ -426,6 +431,7 @@ impl ServeConfig {
             max_request_blocks,
             max_active_requests,
             max_active_per_worker,
+            max_active_blocks,
             max_request_id_bytes,
             max_connections,
             header_timeout_secs,
@@ -606,6 +612,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             max_blocks: cfg.max_request_blocks,
             max_active_requests: cfg.max_active_requests,
             max_active_per_worker: cfg.max_active_per_worker,
+            max_active_blocks: cfg.max_active_blocks,
             max_request_id_bytes: cfg.max_request_id_bytes,
         },
         block_size: cfg.block_size,

@@ -65,6 +65,7 @@ fn limits_refuse_with_413_429_and_400_and_count() {
             max_active_requests: 3,
             max_active_per_worker: 2,
             max_request_id_bytes: 16,
+            max_active_blocks: u64::MAX,
         },
     );
     let addr = api.addr().to_string();
@@ -308,5 +309,52 @@ fn the_connection_cap_refuses_clearly_and_recovers() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(metric(&addr, "kvrouter_http_connections_refused_total") >= 1.0);
+    api.stop();
+}
+
+#[test]
+fn large_bodies_pass_the_bulk_gate_one_at_a_time() {
+    let api = api(HttpConfig::default(), Limits::default());
+    let addr = api.addr().to_string();
+    // Pipelined overlap queries of 16,384 hashes (128 KiB bodies, past the 64 KiB bulk
+    // threshold): each shuts the gate for as long as it ran, so those behind it wait,
+    // and every one is still answered.
+    let body: Vec<u8> = (1..=16_384u64).flat_map(|h| h.to_le_bytes()).collect();
+    let mut wire = Vec::new();
+    let n = 6;
+    for i in 0..n {
+        let close = if i == n - 1 {
+            "Connection: close\r\n"
+        } else {
+            ""
+        };
+        wire.extend_from_slice(
+            format!(
+                "POST /v1/overlaps HTTP/1.1\r\nHost: t\r\nContent-Type: {BINARY_HASHES}\r\n{close}Content-Length: {}\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
+        wire.extend_from_slice(&body);
+    }
+    let resp = raw(&addr, &wire);
+    assert_eq!(statuses(&resp), vec![200; n]);
+    assert!(metric(&addr, "kvrouter_http_bulk_waits_total") >= 1.0);
+    // Small requests never pass it.
+    let before = metric(&addr, "kvrouter_http_bulk_waits_total");
+    for _ in 0..3 {
+        assert_eq!(
+            http(
+                &addr,
+                "POST",
+                "/v1/overlaps",
+                r#"{"block_hashes":[1,2]}"#,
+                &[]
+            )
+            .0,
+            200
+        );
+    }
+    assert_eq!(metric(&addr, "kvrouter_http_bulk_waits_total"), before);
     api.stop();
 }

@@ -152,6 +152,53 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         runs: usize,
     },
+    /// Hostile-client soak of a `kvrouter serve` process: small routes at a fixed rate
+    /// while huge, leaking, malformed, slow and flooding clients come and go (phases:
+    /// baseline, huge, hostile, hostile-again, after); latency and RSS per phase.
+    Hostile {
+        /// The kvrouter binary.
+        #[arg(long, default_value = "target/release/kvrouter")]
+        kvrouter: PathBuf,
+        /// NATS server.
+        #[arg(long, default_value = "nats://127.0.0.1:4222")]
+        nats: String,
+        /// Seconds per phase.
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
+        /// Small routes per second.
+        #[arg(long, default_value_t = 1_000.0)]
+        rate: f64,
+        /// Blocks per small route.
+        #[arg(long, default_value_t = 64)]
+        small_blocks: usize,
+        /// Blocks per huge route (also the router's --max-request-blocks).
+        #[arg(long, default_value_t = 65_536)]
+        huge_blocks: usize,
+        /// Huge routes per second in the `huge` phase.
+        #[arg(long, default_value_t = 20.0)]
+        huge_rate: f64,
+        /// Workers.
+        #[arg(long, default_value_t = 16)]
+        workers: u64,
+        /// Slow clients held at once.
+        #[arg(long, default_value_t = 200)]
+        slow_clients: usize,
+        /// Connections per flood burst.
+        #[arg(long, default_value_t = 1_500)]
+        flood: usize,
+        /// The router's --max-connections.
+        #[arg(long, default_value_t = 1_024)]
+        max_connections: usize,
+        /// The router's --max-active-blocks.
+        #[arg(long, default_value_t = 4 << 20)]
+        max_active_blocks: u64,
+        /// The router's --header-timeout-secs.
+        #[arg(long, default_value_t = 5)]
+        header_timeout_secs: u64,
+        /// Runs (each a fresh process; every run is printed, then the medians).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Every index, each in its own process, `--runs` times; medians and ratios.
     Compare {
         /// Replay log.
@@ -256,6 +303,72 @@ fn main() -> anyhow::Result<()> {
             rate,
             block_tokens,
         } => zmq(&log, python, shards, runs, rate, block_tokens),
+        Cmd::Hostile {
+            kvrouter,
+            nats,
+            seconds,
+            rate,
+            small_blocks,
+            huge_blocks,
+            huge_rate,
+            workers,
+            slow_clients,
+            flood,
+            max_connections,
+            max_active_blocks,
+            header_timeout_secs,
+            runs,
+        } => {
+            let cfg = kvrouter_bench::hostile::HostileConfig {
+                workers,
+                rate,
+                small_blocks,
+                huge_blocks,
+                huge_rate,
+                phase: std::time::Duration::from_secs(seconds),
+                slow_clients,
+                flood,
+                max_connections,
+                max_active_blocks,
+                header_timeout_secs,
+            };
+            let mut reports = Vec::new();
+            for run in 0..runs {
+                let r = kvrouter_bench::hostile::run(&kvrouter, &nats, &cfg)?;
+                eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
+                reports.push(r);
+            }
+            println!(
+                "hostile soak ({workers} workers, {rate} small routes/s of {small_blocks} blocks, huge routes of {huge_blocks} ({huge_rate}/s in `huge`), {seconds} s phases, median of {runs}):"
+            );
+            println!(
+                "| phase | small routes | p50 us | p99 us | p999 us | max ms | failures | RSS start→end MB | peak MB |"
+            );
+            println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for (i, name) in reports[0].phases.iter().map(|p| p.phase).enumerate() {
+                let med = |f: &dyn Fn(&kvrouter_bench::hostile::PhaseReport) -> f64| {
+                    median(reports.iter().map(|r| f(&r.phases[i])).collect())
+                };
+                println!(
+                    "| {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.0} | {:.1} → {:.1} | {:.1} |",
+                    med(&|p| p.routes as f64),
+                    med(&|p| p.p50_ns as f64) / 1e3,
+                    med(&|p| p.p99_ns as f64) / 1e3,
+                    med(&|p| p.p999_ns as f64) / 1e3,
+                    med(&|p| p.max_ns as f64) / 1e6,
+                    med(&|p| p.failures as f64),
+                    med(&|p| p.rss_start_kib as f64) / 1024.0,
+                    med(&|p| p.rss_end_kib as f64) / 1024.0,
+                    med(&|p| p.rss_peak_kib as f64) / 1024.0,
+                );
+            }
+            let last = reports.last().map(|r| &r.hostile);
+            println!(
+                "hostile clients (last run): {}",
+                serde_json::to_string(&last)?
+            );
+            Ok(())
+        }
         Cmd::Recovery {
             blocks,
             workers,

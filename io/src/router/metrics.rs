@@ -131,6 +131,11 @@ pub(super) fn render(
             c.expired,
         ),
         (
+            "kvrouter_slots_shed_requests_total",
+            "Active requests whose blocks were shed to keep within --max-active-blocks.",
+            slots.shed_requests(),
+        ),
+        (
             "kvrouter_router_workers_removed_total",
             "Workers dropped from routing after the ingest removed them.",
             c.workers_removed,
@@ -175,6 +180,11 @@ pub(super) fn render(
             "Connections dropped: a response could not be written in time.",
             http.write_timeouts.get(),
         ),
+        (
+            "kvrouter_http_bulk_waits_total",
+            "Large-bodied requests that waited at the bulk gate (bulk work takes at most half the API thread).",
+            http.bulk_waits.get(),
+        ),
     ] {
         metric(&mut out, name, "counter", help, v);
     }
@@ -191,6 +201,13 @@ pub(super) fn render(
         "gauge",
         "Active requests tracked by the slot manager.",
         slots.active_requests(),
+    );
+    metric(
+        &mut out,
+        "kvrouter_slots_held_blocks",
+        "gauge",
+        "Blocks the active requests hold together (at most --max-active-blocks).",
+        slots.held_blocks(),
     );
     out.push_str("# HELP kvrouter_router_decision_seconds Routing decision time (recent decisions).\n# TYPE kvrouter_router_decision_seconds summary\n");
     let ps = [0.5, 0.99, 0.999];
