@@ -26,7 +26,7 @@
 
 use crate::codec::replica::{ActiveSequenceEvent, ActiveSequenceEventData};
 use crate::hash::LocalBlockHash;
-use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TreeReader};
+use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TierScores, TreeReader};
 use crate::policy::{CostConfig, Rng, Scored, choose, score};
 use crate::slots::{SlotError, Slots};
 use crate::worker::{WorkerDp, WorkerId};
@@ -35,17 +35,64 @@ use crate::worker::{WorkerDp, WorkerId};
 pub trait Lookup {
     /// Writes, per worker, how many leading blocks of `query` it holds into `out`.
     fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores);
+
+    /// Whether any worker holds blocks on a lower tier (when not, tier overlaps are all
+    /// zero and need not be asked for).
+    fn has_lower_tiers(&self) -> bool {
+        false
+    }
+
+    /// Writes how far each worker's lower tiers continue `query` past its device score
+    /// ([`crate::index::tiers`]); `paths` are the query's path hashes.
+    fn tier_overlaps_into(
+        &self,
+        query: &[LocalBlockHash],
+        paths: &[u64],
+        device: &OverlapScores,
+        out: &mut TierScores,
+    ) {
+        let _ = (query, paths, device);
+        out.clear();
+    }
 }
 
 impl Lookup for TreeReader {
     fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
         TreeReader::find_matches_into(self, query, out);
     }
+
+    fn has_lower_tiers(&self) -> bool {
+        TreeReader::has_lower_tiers(self)
+    }
+
+    fn tier_overlaps_into(
+        &self,
+        _query: &[LocalBlockHash],
+        paths: &[u64],
+        device: &OverlapScores,
+        out: &mut TierScores,
+    ) {
+        TreeReader::tier_overlaps_into(self, paths, device, out);
+    }
 }
 
 impl<I: Index> Lookup for I {
     fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
         Index::find_matches_into(self, query, out);
+    }
+
+    fn has_lower_tiers(&self) -> bool {
+        self.lower_block_count() > 0
+    }
+
+    fn tier_overlaps_into(
+        &self,
+        query: &[LocalBlockHash],
+        paths: &[u64],
+        device: &OverlapScores,
+        out: &mut TierScores,
+    ) {
+        Index::tier_overlaps_into(self, query, paths, device, out);
     }
 }
 
@@ -247,6 +294,8 @@ pub struct Decider {
     round_robin: usize,
     /// The overlaps of the last decision (reused: no allocation per decision).
     overlaps: OverlapScores,
+    /// Its lower-tier overlaps.
+    tiers: TierScores,
 }
 
 impl Decider {
@@ -262,6 +311,7 @@ impl Decider {
             next_request: 0,
             round_robin: 0,
             overlaps: OverlapScores::new(),
+            tiers: TierScores::new(),
             cfg,
         }
     }
@@ -291,6 +341,45 @@ impl Decider {
     ) -> &OverlapScores {
         self.look_up(index, locals, now_ms);
         &self.overlaps
+    }
+
+    /// How far each worker's lower tiers continue `locals` past its device prefix (the KV
+    /// index's lower tiers; none in approximate mode). `paths` are the request's path
+    /// hashes; computed here from `locals` when `None` and needed.
+    pub fn tier_overlaps(
+        &mut self,
+        index: Option<&dyn Lookup>,
+        locals: &[LocalBlockHash],
+        paths: Option<&[u64]>,
+        now_ms: u64,
+    ) -> (&OverlapScores, &TierScores) {
+        self.look_up(index, locals, now_ms);
+        self.look_up_tiers(index, locals, paths);
+        (&self.overlaps, &self.tiers)
+    }
+
+    fn look_up_tiers(
+        &mut self,
+        index: Option<&dyn Lookup>,
+        locals: &[LocalBlockHash],
+        paths: Option<&[u64]>,
+    ) {
+        self.tiers.clear();
+        let Some(index) = index.filter(|i| self.approx.is_none() && i.has_lower_tiers()) else {
+            return;
+        };
+        let owned: Vec<u64>;
+        let paths = match paths {
+            Some(p) => p,
+            None => {
+                owned = crate::hash::sequence_hashes(locals)
+                    .into_iter()
+                    .map(|s| s.0)
+                    .collect();
+                &owned
+            }
+        };
+        index.tier_overlaps_into(locals, paths, &self.overlaps, &mut self.tiers);
     }
 
     fn look_up(&mut self, index: Option<&dyn Lookup>, locals: &[LocalBlockHash], now_ms: u64) {
@@ -362,10 +451,18 @@ impl Decider {
             return Err(DecideError::NoWorkers);
         }
         self.look_up(index, route.locals, now_ms);
+        self.look_up_tiers(index, route.locals, Some(&blocks));
         let mut scored = None;
         let position = match self.cfg.selection {
             Selection::Cost => {
-                let candidates = self.slots.candidates(workers, &blocks, &self.overlaps);
+                let mut candidates = self.slots.candidates(workers, &blocks, &self.overlaps);
+                if !self.tiers.is_empty() {
+                    for c in &mut candidates {
+                        let t = self.tiers.get(c.worker);
+                        c.host_overlap_blocks = t.host;
+                        c.disk_overlap_blocks = t.disk;
+                    }
+                }
                 let s = score(
                     &self.cfg.cost,
                     route.tokens,
@@ -741,6 +838,41 @@ mod tests {
                 .unwrap_err(),
             DecideError::WorkersFull { max: 1 }
         );
+    }
+
+    #[test]
+    fn host_blocks_earn_their_credit() {
+        // Worker 2 holds 3 of 4 blocks on the device; worker 3 holds all 4 in host memory
+        // only. At host weight 1.0 worker 3's credit is 4 blocks and it wins; at 0.5 it is
+        // 2, less than worker 2's 3.
+        let mut idx = index();
+        let l = locals(&[1, 2, 3, 4]);
+        let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
+            l.iter().copied().zip(sequence_hashes(&l)).collect();
+        let mut e = RouterEvent::new(3, KvCacheEvent::stored(0, 0, None, blocks));
+        e.storage_tier = crate::worker::StorageTier::HostPinned;
+        idx.apply(e).unwrap();
+        for (weight, want) in [(1.0, W[2]), (0.5, W[1])] {
+            let mut d = Decider::new(DeciderConfig {
+                cost: CostConfig {
+                    host_cache_hit_weight: weight,
+                    ..CostConfig::default()
+                },
+                block_size: 16,
+                ..Default::default()
+            });
+            let mut r = route(&l, None);
+            r.explain = true;
+            let out = d.decide(Some(&idx), &W, r, seqs(&l), 0).unwrap();
+            assert_eq!(out.worker, want, "host weight {weight}");
+            let scored = out.scored.unwrap();
+            assert_eq!(scored[2].candidate.host_overlap_blocks, 4);
+            assert_eq!(scored[1].candidate.device_overlap_blocks, 3);
+        }
+        let mut d = Decider::new(DeciderConfig::default());
+        let (device, tiers) = d.tier_overlaps(Some(&idx), &l, None, 0);
+        assert_eq!(device.get(W[1]), 3);
+        assert_eq!(tiers.get(W[2]).host, 4);
     }
 
     #[test]

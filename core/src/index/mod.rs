@@ -51,16 +51,21 @@
 //! rejected: the event was seen). Ordering and gap detection by event id belong to the
 //! ingest, not to the index.
 //!
-//! An index holds one storage tier: the caller routes each event to the index of its tier
-//! and applies only worker-owned events ([`RouterEvent::is_worker_owned`]).
+//! The tree above is the **device** tier. Events of the lower tiers (host-pinned, disk,
+//! external) are kept beside it ([`tiers`]) and never change a device score; a device
+//! `Cleared` clears the worker's lower tiers too, a lower-tier `Cleared` only its tier, and
+//! [`Index::remove_worker`] all of them. Callers apply only worker-owned events
+//! ([`RouterEvent::is_worker_owned`]).
 
 pub mod approx;
 pub mod ops;
 mod reference;
+pub mod tiers;
 pub mod tree;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use reference::ReferenceIndex;
+pub use tiers::{LowerTiers, TierOverlap, TierScores};
 pub use tree::{ShardWriter, TreeIndex, TreeReader};
 
 use crate::event::RouterEvent;
@@ -279,6 +284,25 @@ pub trait Index {
 
     /// Writes the scores of `query` into `out` (which is cleared first).
     fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores);
+
+    /// Writes into `out` how far each worker's lower tiers continue `query` past its device
+    /// score in `device` ([`tiers`]); `paths` are the query's path hashes
+    /// ([`crate::hash::sequence_hashes`]). An index without lower tiers leaves it empty.
+    fn tier_overlaps_into(
+        &self,
+        query: &[LocalBlockHash],
+        paths: &[u64],
+        device: &OverlapScores,
+        out: &mut TierScores,
+    ) {
+        let _ = (query, paths, device);
+        out.clear();
+    }
+
+    /// Blocks held on lower tiers (0 for an index without them).
+    fn lower_block_count(&self) -> usize {
+        0
+    }
 
     /// The scores of `query`.
     fn find_matches(&self, query: &[LocalBlockHash]) -> OverlapScores {

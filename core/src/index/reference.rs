@@ -5,9 +5,14 @@
 //! held children of each held path. `find_matches` walks the interned paths and checks each
 //! worker's map at every step. Nothing here is tuned for speed; every rule of
 //! [`crate::index`]'s semantics is one visible branch.
+//!
+//! Lower tiers are kept here as Dynamo 1.6.1 keeps them: per worker and tier, edges
+//! `(parent engine name, local hash) -> child name`, followed from the worker's last device
+//! block (the oracle for [`super::tiers`], which keys them by path instead).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use super::tiers::{TierOverlap, TierScores, lower_index};
 use super::{ApplyError, ApplyOutcome, Index, OverlapScores, WorkerSummary};
 use crate::event::{KvCacheEvent, KvEventData, RouterEvent, StoredBlock};
 use crate::hash::{LocalBlockHash, SequenceBlockHash};
@@ -94,6 +99,31 @@ struct WorkerState {
     /// Held children of each held path (and of `ROOT`).
     children: HashMap<PathId, BTreeSet<PathId>>,
     last_event_id: Option<u64>,
+    /// Host-pinned, disk, external.
+    lower: [Edges; 3],
+}
+
+type EdgeKey = (Option<SequenceBlockHash>, LocalBlockHash);
+
+/// One lower tier of one worker: Dynamo's edges.
+#[derive(Debug, Default)]
+struct Edges {
+    child: HashMap<EdgeKey, SequenceBlockHash>,
+    key_of: HashMap<SequenceBlockHash, EdgeKey>,
+}
+
+impl Edges {
+    fn unlink(&mut self, name: SequenceBlockHash) -> bool {
+        match self.key_of.remove(&name) {
+            Some(k) => {
+                if self.child.get(&k) == Some(&name) {
+                    self.child.remove(&k);
+                }
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// See the [module docs](self).
@@ -201,7 +231,55 @@ impl ReferenceIndex {
         dropped
     }
 
+    /// A lower-tier event (tier `t`): Dynamo's edges, with our rule for orphans (a chain
+    /// whose parent the worker holds on no tier is not indexed).
+    fn apply_lower(w: &mut WorkerState, t: usize, data: &KvEventData) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        match data {
+            KvEventData::Stored(s) => {
+                if let Some(p) = s.parent_hash {
+                    let known = w.by_hash.contains_key(&p)
+                        || w.lower.iter().any(|e| e.key_of.contains_key(&p));
+                    if !known {
+                        return out;
+                    }
+                }
+                let edges = &mut w.lower[t];
+                let mut cur = s.parent_hash;
+                for b in &s.blocks {
+                    let key = (cur, b.tokens_hash);
+                    if edges.key_of.get(&b.block_hash) == Some(&key) {
+                        out.duplicate += 1;
+                    } else {
+                        edges.unlink(b.block_hash);
+                        if let Some(old) = edges.child.insert(key, b.block_hash) {
+                            edges.key_of.remove(&old);
+                        }
+                        edges.key_of.insert(b.block_hash, key);
+                        out.stored += 1;
+                    }
+                    cur = Some(b.block_hash);
+                }
+            }
+            KvEventData::Removed(r) => {
+                for &h in &r.block_hashes {
+                    if w.lower[t].unlink(h) {
+                        out.removed += 1;
+                    } else {
+                        out.not_found += 1;
+                    }
+                }
+            }
+            KvEventData::Cleared => {
+                out.removed = w.lower[t].key_of.len() as u32;
+                w.lower[t] = Edges::default();
+            }
+        }
+        out
+    }
+
     fn clear_state(paths: &mut Paths, w: &mut WorkerState) -> usize {
+        w.lower = Default::default();
         let n = w.by_path.len();
         for (&p, _) in w.by_path.iter() {
             paths.release(p);
@@ -223,6 +301,9 @@ impl Index for ReferenceIndex {
         let event_id = event.event.event_id;
         let w = self.workers.entry(worker).or_default();
         w.last_event_id = Some(event_id);
+        if let Some(t) = lower_index(event.storage_tier) {
+            return Ok(Self::apply_lower(w, t, &event.event.data));
+        }
         match &event.event.data {
             KvEventData::Stored(s) => Self::apply_stored(
                 &mut self.paths,
@@ -283,6 +364,61 @@ impl Index for ReferenceIndex {
             out.push(worker, depth);
         }
         out.finish();
+    }
+
+    fn tier_overlaps_into(
+        &self,
+        query: &[LocalBlockHash],
+        _paths: &[u64],
+        device: &OverlapScores,
+        out: &mut TierScores,
+    ) {
+        out.clear();
+        for (&worker, w) in &self.workers {
+            if w.lower.iter().all(|e| e.child.is_empty()) {
+                continue;
+            }
+            let d = device.get(worker) as usize;
+            // The worker's name of its last device block of the request.
+            let mut cur = None;
+            if d > 0 {
+                let mut p = ROOT;
+                for &local in &query[..d] {
+                    p = self
+                        .paths
+                        .child(p, local)
+                        .expect("a device match is interned");
+                }
+                cur = Some(w.by_path[&p]);
+            }
+            let mut pos = d;
+            let mut run = [0u32; 3];
+            for (t, r) in run.iter_mut().enumerate() {
+                while let Some(&c) = query
+                    .get(pos)
+                    .and_then(|&l| w.lower[t].child.get(&(cur, l)))
+                {
+                    cur = Some(c);
+                    *r += 1;
+                    pos += 1;
+                }
+            }
+            out.push(
+                worker,
+                TierOverlap {
+                    host: run[0],
+                    disk: run[1] + run[2],
+                },
+            );
+        }
+        out.finish();
+    }
+
+    fn lower_block_count(&self) -> usize {
+        self.workers
+            .values()
+            .map(|w| w.lower.iter().map(|e| e.key_of.len()).sum::<usize>())
+            .sum()
     }
 
     fn clear(&mut self, worker: WorkerDp) -> usize {

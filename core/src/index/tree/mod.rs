@@ -95,9 +95,10 @@ use std::sync::{Arc, PoisonError, RwLock};
 use shared::ShardShared;
 pub use writer::ShardWriter;
 
-use super::{ApplyError, ApplyOutcome, Index, OverlapScores, WorkerSummary};
+use super::{ApplyError, ApplyOutcome, Index, OverlapScores, TierScores, WorkerSummary};
 use crate::event::RouterEvent;
 use crate::hash::{LocalBlockHash, local_hashes_as_u64};
+use crate::sync::Ordering;
 use crate::worker::{WorkerDp, WorkerId};
 
 /// Which shard owns each worker. A worker gets a shard the first time it is asked for —
@@ -295,6 +296,35 @@ impl TreeReader {
         self.find_matches_into(query, &mut out);
         out
     }
+
+    /// Whether any shard holds lower-tier blocks (one load per shard).
+    pub fn has_lower_tiers(&self) -> bool {
+        self.shards
+            .iter()
+            .any(|s| s.lower_blocks.load(Ordering::Acquire) > 0)
+    }
+
+    /// Blocks held on lower tiers, all shards.
+    pub fn lower_block_count(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lower_blocks.load(Ordering::Acquire) as usize)
+            .sum()
+    }
+
+    /// How far each worker's lower tiers continue the request past its device score in
+    /// `device` ([`crate::index::tiers`]); `paths` are the request's path hashes. Takes each
+    /// shard's read lock only when that shard holds lower-tier blocks.
+    pub fn tier_overlaps_into(&self, paths: &[u64], device: &OverlapScores, out: &mut TierScores) {
+        out.clear();
+        for s in self.shards.iter() {
+            if s.lower_blocks.load(Ordering::Acquire) > 0 {
+                let lower = s.lower.read().unwrap_or_else(PoisonError::into_inner);
+                lower.overlaps_into(paths, device, out);
+            }
+        }
+        out.finish();
+    }
 }
 
 /// The lock-free index driven from one thread: owns every shard's writer and applies each
@@ -372,6 +402,20 @@ impl Index for TreeIndex {
 
     fn find_matches_into(&self, query: &[LocalBlockHash], out: &mut OverlapScores) {
         self.reader.find_matches_into(query, out);
+    }
+
+    fn tier_overlaps_into(
+        &self,
+        _query: &[LocalBlockHash],
+        paths: &[u64],
+        device: &OverlapScores,
+        out: &mut TierScores,
+    ) {
+        self.reader.tier_overlaps_into(paths, device, out);
+    }
+
+    fn lower_block_count(&self) -> usize {
+        self.reader.lower_block_count()
     }
 
     fn clear(&mut self, worker: WorkerDp) -> usize {

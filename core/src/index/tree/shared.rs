@@ -7,7 +7,8 @@
 use crossbeam_epoch::Atomic;
 
 use super::raw::node::Node;
-use crate::sync::{AtomicU32, Ordering};
+use crate::index::tiers::LowerTiers;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::worker::WorkerDp;
 
 /// Every slot ever assigned, sorted by the worker in it, so that a reader emits scores in
@@ -40,6 +41,15 @@ pub(crate) struct ShardShared {
     /// `any` has room for every slot it finds there, or leaves out slots added later.
     pub(crate) slot_cap: AtomicU32,
     pub(crate) order: Atomic<SlotOrder>,
+    /// The shard's lower tiers ([`crate::index::tiers`]). Not lock-free: the writer takes
+    /// the write lock per lower-tier event (and per clear of a worker holding lower-tier
+    /// blocks), a reader the read lock per lookup, and only while `lower_blocks` is not 0.
+    /// A reader sees each lower-tier event whole or not at all, and may combine it with
+    /// device scores from a slightly different moment (as across shards).
+    pub(crate) lower: std::sync::RwLock<LowerTiers>,
+    /// Blocks in `lower`, stored (`Release`) after each change under the lock, so that a
+    /// lookup of a device-only fleet skips the lock with one load.
+    pub(crate) lower_blocks: AtomicU64,
 }
 
 impl Drop for ShardShared {

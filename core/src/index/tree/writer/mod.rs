@@ -26,6 +26,7 @@
 //! * [`ShardWriter::prune`] unlinks a node that no worker holds and hands it to the epoch
 //!   collector; it is freed once every reader that might have reached it has unpinned.
 
+mod lower;
 mod publish;
 mod removal;
 mod store;
@@ -47,7 +48,7 @@ use super::shared::{ShardShared, SlotOrder};
 use crate::event::{KvCacheEvent, KvEventData, RemovedData, RouterEvent, StoredBlock};
 use crate::hash::{LocalBlockHash, SequenceBlockHash};
 use crate::index::{ApplyError, ApplyOutcome, WorkerSummary};
-use crate::sync::{AtomicU32, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::worker::{WorkerDp, WorkerId};
 
 pub(crate) type NodeId = u32;
@@ -202,6 +203,8 @@ impl ShardWriter {
             root: Node::new(0, ROOT, &[], 0),
             slot_cap: AtomicU32::new(64),
             order: Atomic::new(SlotOrder::default()),
+            lower: Default::default(),
+            lower_blocks: AtomicU64::new(0),
         });
         let mut root = Meta::vacant();
         root.node = &shared.root;
@@ -331,6 +334,9 @@ impl ShardWriter {
         let slot = self.slot_for(worker, guard);
         let event_id = event.event.event_id;
         self.state(slot).last_event_id = Some(event_id);
+        if let Some(t) = crate::index::tiers::lower_index(event.storage_tier) {
+            return Ok(self.apply_lower(slot, worker, t, &event.event.data, guard));
+        }
         match &event.event.data {
             KvEventData::Stored(s) => {
                 self.apply_stored(slot, worker, event_id, s.parent_hash, &s.blocks, guard)
@@ -338,6 +344,9 @@ impl ShardWriter {
             KvEventData::Removed(r) => self.apply_removed(slot, r, guard),
             KvEventData::Cleared => {
                 let removed = self.clear_slot(slot, guard) as u32;
+                if self.shared.lower_blocks.load(Ordering::Relaxed) > 0 {
+                    self.with_lower(|l| l.clear(worker, None));
+                }
                 Ok(ApplyOutcome {
                     removed,
                     ..Default::default()

@@ -10,6 +10,9 @@ impl ShardWriter {
             Some(&s) => self.clear_slot(s, guard),
             None => 0,
         };
+        if self.shared.lower_blocks.load(Ordering::Relaxed) > 0 {
+            self.with_lower(|l| l.clear(worker, None));
+        }
         self.garbage.flush(guard);
         n
     }
@@ -31,6 +34,9 @@ impl ShardWriter {
             .map(|(w, s)| (*w, *s))
             .collect();
         self.garbage.collect();
+        if self.shared.lower_blocks.load(Ordering::Relaxed) > 0 {
+            self.with_lower(|l| l.remove_where(&which));
+        }
         let mut dropped = 0;
         for (w, s) in slots {
             dropped += self.clear_slot(s, guard);

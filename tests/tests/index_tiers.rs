@@ -1,0 +1,230 @@
+//! Lower storage tiers: the tree's path-keyed tiers against the reference index's literal
+//! Dynamo edges (`(parent engine name, local) -> child`, followed from the last device
+//! block), over random sequences of device and lower-tier stores, removals, clears and
+//! worker removals, with one shard and with two. Engines name blocks by content here (a
+//! block's name is a function of its path, the same on every tier), which is where the two
+//! models agree by design (see `kvrouter_core::index::tiers`).
+
+use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash, sequence_hashes};
+use kvrouter_core::index::{
+    Index, OverlapScores, ReferenceIndex, TierOverlap, TierScores, TreeIndex,
+};
+use kvrouter_core::worker::{StorageTier, WorkerDp};
+use proptest::prelude::*;
+
+const TIERS: [StorageTier; 4] = [
+    StorageTier::Device,
+    StorageTier::HostPinned,
+    StorageTier::Disk,
+    StorageTier::External,
+];
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Stores `path[from..]` under `path[..from]` on `tier`.
+    Store {
+        worker: u8,
+        tier: u8,
+        path: Vec<u8>,
+        from: u8,
+    },
+    /// Removes the blocks at `path[at..]` from `tier`.
+    Remove {
+        worker: u8,
+        tier: u8,
+        path: Vec<u8>,
+        at: u8,
+    },
+    Clear {
+        worker: u8,
+        tier: u8,
+    },
+    RemoveWorker {
+        worker: u8,
+    },
+    Query {
+        path: Vec<u8>,
+    },
+}
+
+fn locals(path: &[u8]) -> Vec<LocalBlockHash> {
+    path.iter()
+        .map(|&s| LocalBlockHash(u64::from(s) + 1))
+        .collect()
+}
+
+/// Content naming: a block's name is its path hash, moved off the local hashes' range.
+fn names(path: &[u8]) -> Vec<SequenceBlockHash> {
+    sequence_hashes(&locals(path))
+        .into_iter()
+        .map(|s| SequenceBlockHash(s.0 ^ 0xa5a5_0000_0000_0000))
+        .collect()
+}
+
+fn event(worker: u8, tier: u8, data: KvCacheEvent) -> RouterEvent {
+    let mut e = RouterEvent::new(u64::from(worker), data);
+    e.storage_tier = TIERS[tier as usize];
+    e
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let path = || proptest::collection::vec(0..3u8, 1..=6);
+    prop_oneof![
+        6 => (0..3u8, 0..4u8, path(), 0..6u8)
+            .prop_map(|(worker, tier, path, from)| Op::Store { worker, tier, path, from }),
+        3 => (0..3u8, 0..4u8, path(), 0..6u8)
+            .prop_map(|(worker, tier, path, at)| Op::Remove { worker, tier, path, at }),
+        1 => (0..3u8, 0..4u8).prop_map(|(worker, tier)| Op::Clear { worker, tier }),
+        1 => (0..3u8).prop_map(|worker| Op::RemoveWorker { worker }),
+        4 => proptest::collection::vec(0..3u8, 0..=7).prop_map(|path| Op::Query { path }),
+    ]
+}
+
+fn tiers_of(idx: &dyn Index, query: &[LocalBlockHash]) -> (OverlapScores, TierScores) {
+    let device = idx.find_matches(query);
+    let paths: Vec<u64> = sequence_hashes(query).into_iter().map(|s| s.0).collect();
+    let mut out = TierScores::new();
+    idx.tier_overlaps_into(query, &paths, &device, &mut out);
+    (device, out)
+}
+
+fn run(ops: &[Op], shards: usize) -> Result<(), TestCaseError> {
+    let mut tree = TreeIndex::new(shards);
+    let mut reference = ReferenceIndex::new();
+    for op in ops {
+        let events: Vec<RouterEvent> = match op {
+            Op::Store {
+                worker,
+                tier,
+                path,
+                from,
+            } => {
+                let from = (*from as usize).min(path.len() - 1);
+                let ls = locals(path);
+                let ns = names(path);
+                let parent = (from > 0).then(|| ns[from - 1]);
+                let blocks = ls[from..].iter().copied().zip(ns[from..].iter().copied());
+                vec![event(
+                    *worker,
+                    *tier,
+                    KvCacheEvent::stored(0, 0, parent, blocks),
+                )]
+            }
+            Op::Remove {
+                worker,
+                tier,
+                path,
+                at,
+            } => {
+                let at = (*at as usize).min(path.len() - 1);
+                let ns = names(path);
+                vec![event(
+                    *worker,
+                    *tier,
+                    KvCacheEvent::removed(0, 0, ns[at..].iter().rev().copied()),
+                )]
+            }
+            Op::Clear { worker, tier } => vec![event(*worker, *tier, KvCacheEvent::cleared(0, 0))],
+            Op::RemoveWorker { worker } => {
+                tree.remove_worker(u64::from(*worker));
+                reference.remove_worker(u64::from(*worker));
+                vec![]
+            }
+            Op::Query { path } => {
+                let q = locals(path);
+                let (d1, t1) = tiers_of(&tree, &q);
+                let (d2, t2) = tiers_of(&reference, &q);
+                prop_assert_eq!(d1, d2, "device scores of {:?}", path);
+                prop_assert_eq!(t1, t2, "tier scores of {:?}", path);
+                vec![]
+            }
+        };
+        for e in events {
+            let a = tree.apply(e.clone());
+            let b = reference.apply(e);
+            prop_assert_eq!(a.is_ok(), b.is_ok(), "{:?}", op);
+        }
+        prop_assert_eq!(
+            tree.lower_block_count(),
+            reference.lower_block_count(),
+            "after {:?}",
+            op
+        );
+        prop_assert_eq!(tree.block_count(), reference.block_count());
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn tiers_match_the_reference_one_shard(ops in proptest::collection::vec(op(), 1..60)) {
+        run(&ops, 1)?;
+    }
+
+    #[test]
+    fn tiers_match_the_reference_two_shards(ops in proptest::collection::vec(op(), 1..60)) {
+        run(&ops, 2)?;
+    }
+}
+
+/// The seed's worked example extended with host and disk, by hand: a 6-block request,
+/// worker A holds 2 blocks on the device, the next 2 in host memory and 1 more on disk;
+/// worker B holds the first 3 on disk only.
+#[test]
+fn a_worked_example_by_hand() {
+    let path = [0u8, 1, 2, 0, 1, 2];
+    let ls = locals(&path);
+    let ns = names(&path);
+    let a = |tier: u8, from: usize, to: usize| {
+        let parent = (from > 0).then(|| ns[from - 1]);
+        let blocks = ls[from..to]
+            .iter()
+            .copied()
+            .zip(ns[from..to].iter().copied());
+        event(1, tier, KvCacheEvent::stored(0, 0, parent, blocks))
+    };
+    let mut idx = TreeIndex::new(2);
+    for e in [a(0, 0, 2), a(1, 0, 4), a(2, 4, 5)] {
+        idx.apply(e).unwrap();
+    }
+    let blocks = ls[..3].iter().copied().zip(ns[..3].iter().copied());
+    idx.apply(event(2, 2, KvCacheEvent::stored(0, 0, None, blocks)))
+        .unwrap();
+    let (device, tiers) = tiers_of(&idx, &ls);
+    let (wa, wb) = (WorkerDp::new(1, 0), WorkerDp::new(2, 0));
+    assert_eq!(device.get(wa), 2);
+    // Host blocks 0 and 1 are on the device too: counted there; host adds 2 and 3; disk 4.
+    assert_eq!(tiers.get(wa), TierOverlap { host: 2, disk: 1 });
+    assert_eq!(tiers.get(wb), TierOverlap { host: 0, disk: 3 });
+    // The seed's formula at Dynamo's weights (device 1, host 0.75, disk 0.25), 6 blocks:
+    // A: 6 - (2 + 0.75 * 2 + 0.25 * 1) = 2.25 blocks to prefill; B: 6 - 0.25 * 3 = 5.25.
+    use kvrouter_core::policy::{Candidate, CostConfig, score};
+    let cfg = CostConfig::default();
+    let cand = |w: WorkerDp| Candidate {
+        worker: w,
+        device_overlap_blocks: device.get(w),
+        host_overlap_blocks: tiers.get(w).host,
+        disk_overlap_blocks: tiers.get(w).disk,
+        ..Default::default()
+    };
+    let s = score(&cfg, 6 * 16, 16, &[cand(wa), cand(wb)]);
+    assert!(
+        (s[0].adjusted_prefill_blocks - 2.25).abs() < 1e-9,
+        "{:?}",
+        s[0]
+    );
+    assert!(
+        (s[1].adjusted_prefill_blocks - 5.25).abs() < 1e-9,
+        "{:?}",
+        s[1]
+    );
+    // Offload then eviction from the device: the host copy survives, and now counts.
+    idx.apply(event(1, 0, KvCacheEvent::removed(0, 0, [ns[1]])))
+        .unwrap();
+    let (device, tiers) = tiers_of(&idx, &ls);
+    assert_eq!(device.get(wa), 1);
+    assert_eq!(tiers.get(wa), TierOverlap { host: 3, disk: 1 });
+}
