@@ -112,22 +112,27 @@ impl Default for CostConfig {
 }
 
 impl CostConfig {
-    /// Checks the weights: `overlap_score_credit` in [0, 1], every other weight finite and
-    /// at least 0; the error names the first bad one.
+    /// Checks the weights: the credits (`overlap_score_credit`, `host_cache_hit_weight`,
+    /// `disk_cache_hit_weight`, `shared_cache_multiplier`) in [0, 1] as Dynamo 1.6.1 checks
+    /// them, every other weight finite and at least 0; the error names the first bad one.
     pub fn check(&self) -> Result<(), CostError> {
-        if !(0.0..=1.0).contains(&self.overlap_score_credit) {
-            return Err(CostError {
-                name: "overlap_score_credit",
-                value: self.overlap_score_credit,
-                rule: "in [0, 1]",
-            });
+        for (name, value) in [
+            ("overlap_score_credit", self.overlap_score_credit),
+            ("host_cache_hit_weight", self.host_cache_hit_weight),
+            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
+            ("shared_cache_multiplier", self.shared_cache_multiplier),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(CostError {
+                    name,
+                    value,
+                    rule: "in [0, 1]",
+                });
+            }
         }
         for (name, value) in [
             ("prefill_load_scale", self.prefill_load_scale),
             ("new_block_weight", self.new_block_weight),
-            ("host_cache_hit_weight", self.host_cache_hit_weight),
-            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
-            ("shared_cache_multiplier", self.shared_cache_multiplier),
             ("temperature", self.temperature),
         ] {
             if !(value.is_finite() && value >= 0.0) {
@@ -142,7 +147,8 @@ impl CostConfig {
     }
 
     /// NVIDIA Dynamo 1.6.1's defaults: the plain formula (`new_block_weight` 0) with
-    /// `prefill_load_scale` 1.
+    /// `prefill_load_scale` 1, host and disk credits 0.75 and 0.25, and the shared-cache
+    /// multiplier of a deployment without a shared cache (`DYN_SHARED_CACHE_TYPE` none): 0.
     pub fn dynamo() -> Self {
         Self {
             overlap_score_credit: 1.0,
@@ -150,7 +156,7 @@ impl CostConfig {
             new_block_weight: 0.0,
             host_cache_hit_weight: 0.75,
             disk_cache_hit_weight: 0.25,
-            shared_cache_multiplier: 1.0,
+            shared_cache_multiplier: 0.0,
             temperature: 0.0,
             max_active_decode_blocks: None,
             max_active_prefill_tokens: None,
@@ -188,7 +194,9 @@ pub struct Candidate {
     pub host_overlap_blocks: u32,
     /// Further blocks cached on disk.
     pub disk_overlap_blocks: u32,
-    /// Blocks in a shared cache beyond the device overlap.
+    /// Blocks in a shared cache beyond the device overlap. Dynamo 1.6.1 learns these from a
+    /// query to the shared cache (SGLang HiCache), not from KV events; kvrouter has no such
+    /// source yet, so every front leaves it 0.
     pub shared_beyond_blocks: u32,
 }
 
@@ -200,8 +208,10 @@ pub struct Scored {
     pub candidate: Candidate,
     /// `(active_prefill_tokens + request_tokens) / block_size`.
     pub raw_prefill_blocks: f64,
-    /// The overlap credits.
+    /// The overlap credits, all tiers together.
     pub overlap_credit_blocks: f64,
+    /// Each tier's credit (their sum is `overlap_credit_blocks`).
+    pub credits: Credits,
     /// `max(raw - credits, 0)`.
     pub adjusted_prefill_blocks: f64,
     /// `max(request_tokens / block_size - credits, 0)`: the request's own blocks less the
@@ -214,6 +224,19 @@ pub struct Scored {
     pub cost: f64,
     /// Whether it passed the busy thresholds.
     pub eligible: bool,
+}
+
+/// One candidate's overlap credit per tier, in blocks (weight × blocks).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Credits {
+    /// `overlap_score_credit × device_overlap_blocks`.
+    pub device: f64,
+    /// `host_cache_hit_weight × host_overlap_blocks`.
+    pub host: f64,
+    /// `disk_cache_hit_weight × disk_overlap_blocks`.
+    pub disk: f64,
+    /// `shared_cache_multiplier × shared_beyond_blocks`.
+    pub shared: f64,
 }
 
 /// SplitMix64: a small seeded generator, so that decisions are reproducible in tests and
@@ -260,10 +283,13 @@ pub fn score(
         .map(|c| {
             let own = request_tokens as f64 / bs;
             let raw = c.active_prefill_tokens as f64 / bs + own;
-            let credit = cfg.overlap_score_credit * c.device_overlap_blocks as f64
-                + cfg.host_cache_hit_weight * c.host_overlap_blocks as f64
-                + cfg.disk_cache_hit_weight * c.disk_overlap_blocks as f64
-                + cfg.shared_cache_multiplier * c.shared_beyond_blocks as f64;
+            let credits = Credits {
+                device: cfg.overlap_score_credit * c.device_overlap_blocks as f64,
+                host: cfg.host_cache_hit_weight * c.host_overlap_blocks as f64,
+                disk: cfg.disk_cache_hit_weight * c.disk_overlap_blocks as f64,
+                shared: cfg.shared_cache_multiplier * c.shared_beyond_blocks as f64,
+            };
+            let credit = credits.device + credits.host + credits.disk + credits.shared;
             let adjusted = (raw - credit).max(0.0);
             let fresh = (own - credit).max(0.0);
             let decode = c.potential_decode_blocks as f64;
@@ -277,6 +303,7 @@ pub fn score(
                 candidate: *c,
                 raw_prefill_blocks: raw,
                 overlap_credit_blocks: credit,
+                credits,
                 adjusted_prefill_blocks: adjusted,
                 fresh_prefill_blocks: fresh,
                 decode_blocks: decode,
@@ -459,9 +486,24 @@ mod tests {
             shared_beyond_blocks: 1,
             ..Default::default()
         };
-        let s = score(&CostConfig::default(), 256, 64, &[c])[0];
+        let with_shared = CostConfig {
+            shared_cache_multiplier: 1.0,
+            ..Default::default()
+        };
+        let s = score(&with_shared, 256, 64, &[c])[0];
         assert_eq!(s.raw_prefill_blocks, 5.0);
         assert_eq!(s.overlap_credit_blocks, 2.0 + 3.0 + 1.0 + 1.0);
+        assert_eq!(
+            s.credits,
+            Credits {
+                device: 2.0,
+                host: 3.0,
+                disk: 1.0,
+                shared: 1.0
+            }
+        );
+        let without = score(&CostConfig::default(), 256, 64, &[c])[0];
+        assert_eq!(without.overlap_credit_blocks, 2.0 + 3.0 + 1.0);
         assert_eq!(s.adjusted_prefill_blocks, 0.0);
         assert_eq!(s.fresh_prefill_blocks, 0.0);
         assert_eq!(s.cost, 3.0);

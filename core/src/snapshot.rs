@@ -29,7 +29,19 @@
 //!     CHAINS   records until the end of the section:
 //!                worker u32 (index into WORKERS), flags u32 (bit 0: has parent),
 //!                parent u64, count u64, then count × (sequence hash u64, local hash u64)
+//!     LOWER    (version 2; optional) records of 24 bytes, the lower-tier blocks:
+//!                worker u32 (index into WORKERS), tier u32 (1 host-pinned, 2 disk,
+//!                3 external), engine name u64, path hash u64
 //! ```
+//!
+//! Lower-tier blocks are kept as the index keeps them ([`crate::index::tiers`]): a name and
+//! the path hash it was placed at, restored as they are (no parent to resolve again).
+//!
+//! # Versions
+//!
+//! Version 2 added the LOWER section. A version 1 file still loads: it holds the device
+//! tier only, and lower tiers refill from the engines' events. A version 1 reader refuses a
+//! version 2 file with [`SnapshotError::UnsupportedVersion`] (it would drop the tiers).
 //!
 //! Every length, offset, count and index is checked against the bytes actually present
 //! before it is used; every section's checksum is verified before it is parsed. Any failure
@@ -40,12 +52,14 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::event::{KvCacheEvent, KvEventData, RouterEvent};
 use crate::hash::{LocalBlockHash, SequenceBlockHash};
-use crate::worker::{DpRank, WorkerDp, WorkerId};
+use crate::worker::{DpRank, StorageTier, WorkerDp, WorkerId};
 
 /// The first eight bytes of every snapshot.
 pub const MAGIC: [u8; 8] = *b"KVRSNAP\0";
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this build still reads (device tier only).
+pub const OLDEST_READABLE: u32 = 1;
 /// Sections a valid file may declare.
 pub const MAX_SECTIONS: u32 = 16;
 
@@ -53,6 +67,7 @@ const HEADER_LEN: usize = 64;
 const ENTRY_LEN: usize = 32;
 const WORKER_LEN: usize = 40;
 const BLOCK_LEN: usize = 16;
+const LOWER_LEN: usize = 24;
 
 /// The kinds of section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +79,8 @@ pub enum SectionKind {
     Workers = 2,
     /// Stored chains.
     Chains = 3,
+    /// Lower-tier blocks (version 2).
+    Lower = 4,
 }
 
 impl SectionKind {
@@ -72,6 +89,7 @@ impl SectionKind {
             SectionKind::Meta => "meta",
             SectionKind::Workers => "workers",
             SectionKind::Chains => "chains",
+            SectionKind::Lower => "lower tiers",
         }
     }
 }
@@ -93,7 +111,9 @@ pub enum SnapshotError {
     #[error("not a kvrouter snapshot (bad magic)")]
     BadMagic,
     /// Written by another format version.
-    #[error("snapshot format version {found}, this build reads {FORMAT_VERSION}")]
+    #[error(
+        "snapshot format version {found}, this build reads {OLDEST_READABLE} to {FORMAT_VERSION}"
+    )]
     UnsupportedVersion {
         /// The file's version.
         found: u32,
@@ -181,6 +201,29 @@ pub struct WorkerRecord {
     pub heartbeat_ms: u64,
 }
 
+/// One block a worker holds on a lower tier: its engine name and the path hash it was
+/// placed at ([`crate::index::tiers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LowerRecord {
+    /// The worker.
+    pub worker: WorkerDp,
+    /// Its tier (never the device).
+    pub tier: StorageTier,
+    /// The engine's name of the block.
+    pub name: u64,
+    /// The router's path hash of the block.
+    pub path: u64,
+}
+
+fn tier_code(t: StorageTier) -> u32 {
+    match t {
+        StorageTier::Device => 0,
+        StorageTier::HostPinned => 1,
+        StorageTier::Disk => 2,
+        StorageTier::External => 3,
+    }
+}
+
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -204,6 +247,17 @@ pub fn encode(
     meta: &SnapshotMeta,
     workers: &[WorkerRecord],
     events: &[RouterEvent],
+) -> Result<Vec<u8>, SnapshotError> {
+    encode_with_lower(meta, workers, events, &[])
+}
+
+/// [`encode`] with the workers' lower-tier blocks (each worker among `workers`, no record
+/// on the device tier).
+pub fn encode_with_lower(
+    meta: &SnapshotMeta,
+    workers: &[WorkerRecord],
+    events: &[RouterEvent],
+    lower: &[LowerRecord],
 ) -> Result<Vec<u8>, SnapshotError> {
     let mut meta = meta.clone();
     let mut slot = std::collections::HashMap::with_capacity(workers.len());
@@ -257,11 +311,30 @@ pub fn encode(
     }
     meta.blocks = blocks;
     let msec = serde_json::to_vec(&meta).map_err(|e| SnapshotError::Unencodable(e.to_string()))?;
+    let mut lsec = Vec::with_capacity(lower.len() * LOWER_LEN);
+    for r in lower {
+        let Some(&i) = slot.get(&r.worker) else {
+            return Err(SnapshotError::Unencodable(format!(
+                "lower-tier block of unlisted worker {}",
+                r.worker
+            )));
+        };
+        if r.tier == StorageTier::Device {
+            return Err(SnapshotError::Unencodable(
+                "a device block among the lower tiers".to_owned(),
+            ));
+        }
+        put_u32(&mut lsec, i);
+        put_u32(&mut lsec, tier_code(r.tier));
+        put_u64(&mut lsec, r.name);
+        put_u64(&mut lsec, r.path);
+    }
 
     let sections = [
         (SectionKind::Meta, msec),
         (SectionKind::Workers, wsec),
         (SectionKind::Chains, csec),
+        (SectionKind::Lower, lsec),
     ];
     let body_start = HEADER_LEN + ENTRY_LEN * sections.len();
     let total = body_start + sections.iter().map(|(_, s)| s.len()).sum::<usize>();
@@ -346,6 +419,7 @@ pub struct SnapshotView<'a> {
     chains: &'a [u8],
     chain_count: usize,
     blocks: u64,
+    lower: &'a [u8],
 }
 
 /// Parses and fully validates a snapshot: header, checksums, every record's bounds and
@@ -363,7 +437,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
     }
     let mut h = Cursor::new(&bytes[8..HEADER_LEN], "header");
     let version = h.u32()?;
-    if version != FORMAT_VERSION {
+    if !(OLDEST_READABLE..=FORMAT_VERSION).contains(&version) {
         return Err(SnapshotError::UnsupportedVersion { found: version });
     }
     let count = h.u32()?;
@@ -400,7 +474,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
     {
         return Err(SnapshotError::HeaderChecksum);
     }
-    let mut sections: [Option<&[u8]>; 3] = [None; 3];
+    let mut sections: [Option<&[u8]>; 4] = [None; 4];
     let mut t = Cursor::new(&bytes[HEADER_LEN..table_end], "section table");
     for _ in 0..count {
         let kind = t.u32()?;
@@ -412,6 +486,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
             1 => SectionKind::Meta,
             2 => SectionKind::Workers,
             3 => SectionKind::Chains,
+            4 if version >= 2 => SectionKind::Lower,
             // Unknown sections of a future minor revision are skipped (they are covered by
             // the header checksum, and their bounds are not needed).
             _ => continue,
@@ -431,7 +506,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
             return Err(malformed(kind.name(), "declared twice"));
         }
     }
-    let [Some(msec), Some(wsec), Some(csec)] = sections else {
+    let [Some(msec), Some(wsec), Some(csec), lsec] = sections else {
         return Err(malformed("section table", "a required section is missing"));
     };
     let meta: SnapshotMeta =
@@ -499,12 +574,36 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
         chain_count += 1;
         blocks += len;
     }
+    let lsec = lsec.unwrap_or(&[]);
+    if lsec.len() % LOWER_LEN != 0 {
+        return Err(malformed(
+            "lower tiers",
+            format!("{} bytes is no whole number of records", lsec.len()),
+        ));
+    }
+    let mut l = Cursor::new(lsec, "lower tiers");
+    while l.remaining() > 0 {
+        let wi = l.u32()?;
+        let tier = l.u32()?;
+        let _name = l.u64()?;
+        let _path = l.u64()?;
+        if wi as usize >= workers.len() {
+            return Err(malformed(
+                "lower tiers",
+                format!("worker index {wi} out of range"),
+            ));
+        }
+        if !(1..=3).contains(&tier) {
+            return Err(malformed("lower tiers", format!("tier {tier}")));
+        }
+    }
     Ok(SnapshotView {
         meta,
         workers,
         chains: csec,
         chain_count,
         blocks,
+        lower: lsec,
     })
 }
 
@@ -524,9 +623,38 @@ impl<'a> SnapshotView<'a> {
         self.chain_count
     }
 
-    /// Blocks in the file.
+    /// Device blocks in the file.
     pub fn block_count(&self) -> u64 {
         self.blocks
+    }
+
+    /// Lower-tier blocks in the file (0 in a version 1 file).
+    pub fn lower_count(&self) -> usize {
+        self.lower.len() / LOWER_LEN
+    }
+
+    /// The lower-tier blocks, in file order.
+    pub fn lower(&self) -> impl Iterator<Item = LowerRecord> + '_ {
+        self.lower.chunks_exact(LOWER_LEN).map(|r| {
+            // Validated by `parse`: whole records, a worker index in range, a lower tier.
+            let u32_at = |i: usize| u32::from_le_bytes([r[i], r[i + 1], r[i + 2], r[i + 3]]);
+            let u64_at = |i: usize| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(&r[i..i + 8]);
+                u64::from_le_bytes(a)
+            };
+            let tier = match u32_at(4) {
+                1 => StorageTier::HostPinned,
+                2 => StorageTier::Disk,
+                _ => StorageTier::External,
+            };
+            LowerRecord {
+                worker: self.workers[u32_at(0) as usize].worker,
+                tier,
+                name: u64_at(8),
+                path: u64_at(16),
+            }
+        })
     }
 
     /// Events that rebuild the state in an empty index: per worker a `Cleared` carrying its
@@ -644,10 +772,62 @@ mod tests {
         assert_eq!(rebuilt.workers(), original.workers());
     }
 
+    fn lower_sample(workers: &[WorkerRecord]) -> Vec<LowerRecord> {
+        let w = workers[0].worker;
+        vec![
+            LowerRecord {
+                worker: w,
+                tier: StorageTier::HostPinned,
+                name: 3,
+                path: 0xabc,
+            },
+            LowerRecord {
+                worker: w,
+                tier: StorageTier::External,
+                name: 5,
+                path: u64::MAX,
+            },
+        ]
+    }
+
+    /// `bytes` as a version 1 writer would have stamped them (same sections).
+    fn restamp(bytes: &[u8], version: u32) -> Vec<u8> {
+        let mut b = bytes.to_vec();
+        b[8..12].copy_from_slice(&version.to_le_bytes());
+        let count = u32::from_le_bytes([b[12], b[13], b[14], b[15]]) as usize;
+        let sum = xxh3(&[&b[..56], &b[HEADER_LEN..HEADER_LEN + ENTRY_LEN * count]]);
+        b[56..64].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    #[test]
+    fn lower_tiers_round_trip_and_old_files_load_device_only() {
+        let (meta, workers, events) = sample();
+        let lower = lower_sample(&workers);
+        let bytes = encode_with_lower(&meta, &workers, &events, &lower).unwrap();
+        let view = parse(&bytes).unwrap();
+        assert_eq!(view.lower().collect::<Vec<_>>(), lower);
+        assert_eq!(view.lower_count(), 2);
+        assert_eq!(view.block_count(), 6);
+        // A version 1 file (device tier only) loads; a LOWER section in one is not read.
+        let old = restamp(&encode(&meta, &workers, &events).unwrap(), 1);
+        let v1 = parse(&old).unwrap();
+        assert_eq!((v1.block_count(), v1.lower_count()), (6, 0));
+        assert_eq!(rebuild(&v1).dump(), rebuild(&view).dump());
+        assert_eq!(parse(&restamp(&bytes, 1)).unwrap().lower_count(), 0);
+        // What is not a lower-tier block is refused on the way in.
+        let mut bad = lower.clone();
+        bad[0].tier = StorageTier::Device;
+        assert!(encode_with_lower(&meta, &workers, &events, &bad).is_err());
+        bad[0].tier = StorageTier::Disk;
+        bad[0].worker = WorkerDp::new(12345, 0);
+        assert!(encode_with_lower(&meta, &workers, &events, &bad).is_err());
+    }
+
     #[test]
     fn every_corruption_is_a_typed_error() {
         let (meta, workers, events) = sample();
-        let bytes = encode(&meta, &workers, &events).unwrap();
+        let bytes = encode_with_lower(&meta, &workers, &events, &lower_sample(&workers)).unwrap();
         // Every truncation.
         for n in 0..bytes.len() {
             assert!(parse(&bytes[..n]).is_err(), "truncated to {n}");
@@ -659,10 +839,14 @@ mod tests {
             assert!(parse(&b).is_err(), "flip at {i}");
         }
         let mut b = bytes.clone();
-        b[8] = 2;
+        b[8] = 3;
         assert_eq!(
             parse(&b).unwrap_err(),
-            SnapshotError::UnsupportedVersion { found: 2 }
+            SnapshotError::UnsupportedVersion { found: 3 }
+        );
+        assert_eq!(
+            parse(&restamp(&bytes, 0)).unwrap_err(),
+            SnapshotError::UnsupportedVersion { found: 0 }
         );
         assert_eq!(
             parse(b"nonsense that is long enough to hold a header, surely, yes it is").unwrap_err(),

@@ -161,6 +161,15 @@ pub(crate) struct ServeArgs {
     /// Extra weight of each block a request would prefill from scratch (0: Dynamo's formula).
     #[arg(long, env = "KVROUTER_NEW_BLOCK_WEIGHT")]
     new_block_weight: Option<f64>,
+    /// Credit per block continuing the device prefix in host memory (Dynamo's default 0.75).
+    #[arg(long, env = "KVROUTER_HOST_CACHE_HIT_WEIGHT")]
+    host_cache_hit_weight: Option<f64>,
+    /// Credit per block continuing it on disk or external storage (Dynamo's default 0.25).
+    #[arg(long, env = "KVROUTER_DISK_CACHE_HIT_WEIGHT")]
+    disk_cache_hit_weight: Option<f64>,
+    /// Credit per shared-pool block beyond the worker's own (Dynamo without a shared cache: 0).
+    #[arg(long, env = "KVROUTER_SHARED_CACHE_MULTIPLIER")]
+    shared_cache_multiplier: Option<f64>,
     /// Softmax temperature (0: lowest cost).
     #[arg(long, env = "KVROUTER_TEMPERATURE")]
     temperature: Option<f64>,
@@ -226,6 +235,9 @@ pub(crate) struct ServeConfig {
     overlap_score_credit: f64,
     prefill_load_scale: f64,
     new_block_weight: f64,
+    host_cache_hit_weight: f64,
+    disk_cache_hit_weight: f64,
+    shared_cache_multiplier: f64,
     temperature: f64,
     herd_k: usize,
     max_active_decode_blocks: Option<u64>,
@@ -278,6 +290,9 @@ impl Default for ServeConfig {
             overlap_score_credit: cost.overlap_score_credit,
             prefill_load_scale: cost.prefill_load_scale,
             new_block_weight: cost.new_block_weight,
+            host_cache_hit_weight: cost.host_cache_hit_weight,
+            disk_cache_hit_weight: cost.disk_cache_hit_weight,
+            shared_cache_multiplier: cost.shared_cache_multiplier,
             temperature: cost.temperature,
             herd_k: 0,
             max_active_decode_blocks: None,
@@ -444,6 +459,9 @@ impl ServeConfig {
             overlap_score_credit,
             prefill_load_scale,
             new_block_weight,
+            host_cache_hit_weight,
+            disk_cache_hit_weight,
+            shared_cache_multiplier,
             temperature,
             herd_k
         );
@@ -485,6 +503,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         overlap_score_credit: cfg.overlap_score_credit,
         prefill_load_scale: cfg.prefill_load_scale,
         new_block_weight: cfg.new_block_weight,
+        host_cache_hit_weight: cfg.host_cache_hit_weight,
+        disk_cache_hit_weight: cfg.disk_cache_hit_weight,
+        shared_cache_multiplier: cfg.shared_cache_multiplier,
         temperature: cfg.temperature,
         herd: if cfg.herd_k > 0 {
             Herd::PowerOfTwo { k: cfg.herd_k }
@@ -493,7 +514,6 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         max_active_decode_blocks: cfg.max_active_decode_blocks,
         max_active_prefill_tokens: cfg.max_active_prefill_tokens,
-        ..CostConfig::default()
     };
     cost.check().context("invalid cost weights")?;
     if cfg.durable_kv_events && !cfg.kv_events {

@@ -3,7 +3,8 @@
 //! prompt; first_token / free move the loads; the replicas converge on loads through
 //! replica sync; bad input gets 4xx answers. In JetStream durable mode, a router killed
 //! with -9 mid-ingest and restarted from its periodic snapshot ends equal to a replica that
-//! never stopped.
+//! never stopped. Host-tier blocks from vLLM-wire engines (pyzmq) show in `/v1/overlaps`
+//! and earn their credit in `/v1/route`, as `--host-cache-hit-weight` sets it.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -506,4 +507,109 @@ fn serves_before_nats_is_reachable() {
     wait_until("healthy once NATS is up", || {
         http(&r.addr, "GET", "/healthz", "", &[]).0 == 200
     });
+}
+
+/// A `/metrics` counter's value.
+fn counter(addr: &str, name: &str) -> u64 {
+    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn host_tier_blocks_from_vllm_engines_reach_overlaps_and_win_routes() {
+    use kvrouter_io::ingest::ZmqEngine;
+    use kvrouter_io::zmq::Endpoint;
+    use kvrouter_tests::engine::PyEngine;
+
+    // A weight out of Dynamo's range is refused at start.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args(["serve", "--nats", "off", "--host-cache-hit-weight", "1.5"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("host_cache_hit_weight"));
+
+    // Engine 1 has 2 blocks of the prompt on its GPU and all 8 offloaded to CPU memory;
+    // engine 2 has 4 on its GPU. Dynamo's weights: 2 + 0.75 × 6 = 6.5 blocks of credit
+    // beat 4; with the host credit off, 2 lose to 4.
+    let (p1, p2) = (kvrouter_tests::free_port(), kvrouter_tests::free_port());
+    let spec = |name: &str, port: u16| format!("{name}=tcp://127.0.0.1:{port}");
+    let id = |name: &str, port: u16| {
+        let ep = Endpoint::parse(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        ZmqEngine::new(name, ep, 16).worker_id
+    };
+    let (w1, w2) = (id("tier1", p1), id("tier2", p2));
+    let engines = [
+        "--zmq-engine",
+        &spec("tier1", p1),
+        "--zmq-engine",
+        &spec("tier2", p2),
+    ];
+    let with_host = router("off", &engines);
+    let mut no_host_args = engines.to_vec();
+    no_host_args.extend(["--host-cache-hit-weight", "0"]);
+    let no_host = router("off", &no_host_args);
+    let mut e1 = PyEngine::start(&["--pub", &format!("tcp://*:{p1}")]);
+    let mut e2 = PyEngine::start(&["--pub", &format!("tcp://*:{p2}")]);
+    for r in [&with_host, &no_host] {
+        wait_until("both engines connected", || {
+            counter(&r.addr, "kvrouter_ingest_zmq_connects_total") >= 2
+        });
+    }
+    let prompt: Vec<u32> = (5000..5128).collect();
+    let stored = |medium: &str, blocks: u64, base: u64| {
+        serde_json::json!({"type": "BlockStored",
+            "block_hashes": (0..blocks).map(|i| base + i).collect::<Vec<u64>>(),
+            "parent_block_hash": null, "token_ids": &prompt[..16 * blocks as usize],
+            "block_size": 16, "lora_id": null, "medium": medium, "lora_name": null})
+    };
+    e1.send(&serde_json::json!({"op": "batch", "dp_rank": 0,
+        "events": [stored("GPU", 2, 100), stored("CPU", 8, 100)]}));
+    e2.send(&serde_json::json!({"op": "batch", "dp_rank": 0, "events": [stored("GPU", 4, 200)]}));
+    let expected = serde_json::json!([
+        {"worker_id": w1, "dp_rank": 0, "blocks": 2, "host_blocks": 6},
+        {"worker_id": w2, "dp_rank": 0, "blocks": 4},
+    ]);
+    let query = format!("{{\"token_ids\": {prompt:?}}}");
+    let sorted = |v: &Value| {
+        let mut a = v["overlaps"].as_array().cloned().unwrap_or_default();
+        a.sort_by_key(|e| e["worker_id"].as_u64());
+        let mut b = expected.as_array().unwrap().clone();
+        b.sort_by_key(|e| e["worker_id"].as_u64());
+        a == b
+    };
+    for r in [&with_host, &no_host] {
+        wait_until("the tiers ingested", || {
+            let (_, v) = json(http(&r.addr, "POST", "/v1/overlaps", &query, &[]));
+            sorted(&v)
+        });
+        assert_eq!(counter(&r.addr, "kvrouter_index_lower_tier_blocks"), 8);
+    }
+    let route = |r: &Router, id: &str| {
+        let body =
+            format!("{{\"token_ids\": {prompt:?}, \"request_id\": \"{id}\", \"explain\": true}}");
+        let (status, v) = json(http(&r.addr, "POST", "/v1/route", &body, &[]));
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let v = route(&with_host, "tiered-1");
+    assert_eq!(v["worker_id"].as_u64(), Some(w1), "{v}");
+    let c1 = v["candidates"]
+        .as_array()
+        .and_then(|cs| {
+            cs.iter()
+                .find(|c| c["worker"]["worker_id"].as_u64() == Some(w1))
+        })
+        .unwrap_or_else(|| panic!("{v}"))
+        .clone();
+    assert_eq!(c1["host_overlap_blocks"], 6, "{c1}");
+    assert_eq!(c1["credits"]["host"], 4.5, "{c1}");
+    assert_eq!(c1["credits"]["device"], 2.0, "{c1}");
+    assert_eq!(c1["overlap_credit_blocks"], 6.5, "{c1}");
+    let v = route(&no_host, "tiered-2");
+    assert_eq!(v["worker_id"].as_u64(), Some(w2), "{v}");
+    e1.finish();
+    e2.finish();
 }

@@ -3,16 +3,18 @@
 //! fed the same events, with one message in ten lost from the live stream and recovered
 //! through the replay socket, an engine restart, a replay window exceeded, malformed
 //! frames; the router's SUB both connects to a bound engine and is bound for an engine
-//! that connects; workers are listed before their first event.
+//! that connects; workers are listed before their first event; every engine's `medium`
+//! reaches its storage tier.
 
 use std::time::Duration;
 
 use kvrouter_core::codec::vllm;
+use kvrouter_core::decision::Lookup;
 use kvrouter_core::engine::{Converter, Dropped};
-use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes};
-use kvrouter_core::index::{Index, ReferenceIndex};
+use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes, sequence_hashes};
+use kvrouter_core::index::{Index, OverlapScores, ReferenceIndex, TierOverlap, TierScores};
 use kvrouter_core::worker::WorkerDp;
-use kvrouter_io::ingest::{Ingest, IngestConfig, ZmqEngine};
+use kvrouter_io::ingest::{Ingest, IngestConfig, SnapshotConfig, ZmqEngine};
 use kvrouter_io::zmq::Endpoint;
 use kvrouter_tests::engine::PyEngine;
 use kvrouter_tests::fleet::wait_until;
@@ -326,5 +328,159 @@ fn restarts_exceeded_windows_and_garbage_reset_or_skip_without_losing_state() {
     let st = ingest.stats();
     assert_eq!(st.zmq_replay_failures, 1, "{st:?}");
     eng.finish();
+    ingest.stop();
+}
+
+/// Each worker's device overlap and its lower tiers' continuation of `q`.
+fn tiered(index: &dyn Lookup, q: &[LocalBlockHash]) -> Vec<(WorkerDp, u32, TierOverlap)> {
+    let paths: Vec<u64> = sequence_hashes(q).into_iter().map(|h| h.0).collect();
+    let mut device = OverlapScores::new();
+    index.find_matches_into(q, &mut device);
+    let mut tiers = TierScores::new();
+    index.tier_overlaps_into(q, &paths, &device, &mut tiers);
+    let mut out: Vec<(WorkerDp, u32, TierOverlap)> =
+        device.iter().map(|(w, d)| (w, d, tiers.get(w))).collect();
+    for &(w, t) in tiers.as_slice() {
+        if device.get(w) == 0 {
+            out.push((w, 0, t));
+        }
+    }
+    out.sort_by_key(|e| e.0);
+    out
+}
+
+#[test]
+fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
+    // A: vLLM's names (GPU, CPU, DISK) as tagged maps; B: SGLang's (GPU, CPU_PINNED, DISK)
+    // as positional arrays. Both offload a prefix to host memory, lose its tail from the
+    // device, continue it on disk, and send one event on a medium nobody knows.
+    let (pa, pb) = (free_port(), free_port());
+    let a = ZmqEngine::new(
+        "tier-a",
+        Endpoint::parse(&format!("tcp://127.0.0.1:{pa}")).unwrap(),
+        BS,
+    );
+    let b = ZmqEngine::new(
+        "tier-b",
+        Endpoint::parse(&format!("tcp://127.0.0.1:{pb}")).unwrap(),
+        BS,
+    );
+    let snaps = std::env::temp_dir().join(format!("kvrouter-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&snaps);
+    let with_snapshots = |engines: Vec<ZmqEngine>| {
+        Ingest::start(IngestConfig {
+            nats: None,
+            zmq_engines: engines,
+            snapshot: Some(SnapshotConfig {
+                dir: snaps.clone(),
+                interval: None,
+                on_stop: false,
+            }),
+            ..IngestConfig::default()
+        })
+        .expect("the ingest starts without NATS")
+    };
+    let ingest = with_snapshots(vec![a.clone(), b.clone()]);
+    let mut engines = [
+        (
+            a.worker_id,
+            "CPU",
+            PyEngine::start(&["--pub", &format!("tcp://*:{pa}"), "--form", "map"]),
+        ),
+        (
+            b.worker_id,
+            "CPU_PINNED",
+            PyEngine::start(&["--pub", &format!("tcp://*:{pb}"), "--form", "array"]),
+        ),
+    ];
+    wait_until("both publishers connected", Duration::from_secs(10), || {
+        ingest.stats().zmq_connects >= 2
+    });
+    let mut g = Gen(11);
+    let tokens: Vec<u32> = (0..9 * BS).map(|_| g.below(50_000) as u32).collect();
+    let block = |i: usize| tokens[i * BS as usize..(i + 1) * BS as usize].to_vec();
+    let span = |r: std::ops::Range<usize>| r.flat_map(block).collect::<Vec<u32>>();
+    let q = local_block_hashes(&tokens, BS, &HashOptions::default());
+    let mut reference = ReferenceIndex::new();
+    for (worker_id, host, eng) in &mut engines {
+        let h = |i: u64| *worker_id ^ (1000 + i);
+        let names = |r: std::ops::Range<u64>| r.map(h).collect::<Vec<u64>>();
+        let stored = |medium: &str, r: std::ops::Range<usize>, parent: Option<u64>| {
+            json!({"type": "BlockStored", "block_hashes": names(r.start as u64..r.end as u64),
+                   "parent_block_hash": parent, "token_ids": span(r), "block_size": BS,
+                   "lora_id": null, "medium": medium, "lora_name": null})
+        };
+        let batches = [
+            vec![stored("GPU", 0..6, None)],
+            vec![stored(host, 0..6, None)],
+            vec![json!({"type": "BlockRemoved", "block_hashes": names(4..6), "medium": "GPU"})],
+            vec![stored("DISK", 6..8, Some(h(5)))],
+            vec![stored("TAPE", 8..9, Some(h(7)))],
+        ];
+        let mut conv = Converter::new(*worker_id, BS);
+        let mut dropped = Dropped::default();
+        for events in &batches {
+            let payload = rmp_serde::to_vec_named(&json!([0.0, events, 0])).unwrap();
+            for e in conv.convert(vllm::decode_batch(&payload).unwrap(), 0, &mut dropped) {
+                reference.apply(e).unwrap();
+            }
+            eng.send(&json!({"op": "batch", "events": events, "dp_rank": 0}));
+        }
+        assert_eq!(dropped.unknown_medium, 1, "{dropped:?}");
+        wait_applied(
+            &ingest,
+            WorkerDp::new(*worker_id, 0),
+            conv.next_event_id() - 1,
+        );
+    }
+    // By hand: 4 blocks on the device, the 2 it lost still in host memory, 2 more on disk;
+    // the block on the unknown medium earns nothing.
+    let (wa, wb) = (WorkerDp::new(a.worker_id, 0), WorkerDp::new(b.worker_id, 0));
+    let mut expected = vec![
+        (wa, 4, TierOverlap { host: 2, disk: 2 }),
+        (wb, 4, TierOverlap { host: 2, disk: 2 }),
+    ];
+    expected.sort_by_key(|e| e.0);
+    assert_eq!(tiered(&ingest.reader(), &q), expected);
+    assert_eq!(tiered(&reference, &q), expected);
+    let st = ingest.stats();
+    assert_eq!(
+        (st.engine_unknown_medium, st.skipped, st.rejected),
+        (2, 0, 0),
+        "{st:?}"
+    );
+
+    // A snapshot keeps every tier: a second router restored from it, with no engine
+    // publishing, sees the same.
+    ingest.snapshot_now().expect("snapshot written");
+    let restored = with_snapshots(Vec::new());
+    assert_eq!(tiered(&restored.reader(), &q), expected);
+    assert_eq!(restored.reader().lower_block_count(), 2 * (6 + 2));
+    assert_eq!(restored.stats().snapshot_restored_blocks, 2 * (4 + 6 + 2));
+    restored.stop();
+    let _ = std::fs::remove_dir_all(&snaps);
+
+    // The host copy of block 4 goes: the continuation stops at the device prefix. Then the
+    // engine clears everything, on every tier.
+    for (worker_id, host, eng) in &mut engines {
+        let removed =
+            json!({"type": "BlockRemoved", "block_hashes": [*worker_id ^ 1004], "medium": *host});
+        eng.send(&json!({"op": "batch", "events": [removed], "dp_rank": 0}));
+    }
+    wait_until("host copies removed", Duration::from_secs(10), || {
+        tiered(&ingest.reader(), &q)
+            .iter()
+            .all(|e| e.2 == TierOverlap::default())
+    });
+    assert_eq!(ingest.reader().lower_block_count(), 2 * (5 + 2));
+    for (_, _, eng) in &mut engines {
+        eng.send(&json!({"op": "batch", "events": [{"type": "AllBlocksCleared"}], "dp_rank": 0}));
+    }
+    wait_until("every tier cleared", Duration::from_secs(10), || {
+        ingest.reader().lower_block_count() == 0 && ingest.reader().find_matches(&q).is_empty()
+    });
+    for (_, _, eng) in engines {
+        eng.finish();
+    }
     ingest.stop();
 }

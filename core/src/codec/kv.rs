@@ -160,6 +160,38 @@ mod tests {
     }
 
     #[test]
+    fn storage_tiers_by_dynamos_names() {
+        use crate::worker::StorageTier as T;
+        for (name, tier) in [
+            ("device", T::Device),
+            ("host_pinned", T::HostPinned),
+            ("disk", T::Disk),
+            ("external", T::External),
+        ] {
+            let json = format!(
+                r#"{{"worker_id":7,"storage_tier":"{name}","event":{{"event_id":9,"data":{{"removed":{{"block_hashes":[1]}}}}}}}}"#
+            );
+            assert_eq!(decode_json(json.as_bytes()).unwrap()[0].storage_tier, tier);
+        }
+        // A tier nobody knows fails its event alone (the lenient decoder counts it).
+        let one = |tier: &str| {
+            format!(
+                r#"{{"worker_id":7,"storage_tier":"{tier}","event":{{"event_id":9,"data":"cleared"}}}}"#
+            )
+        };
+        assert!(decode_json(one("tape").as_bytes()).is_err());
+        let events: Vec<serde_json::Value> = [one("tape"), one("disk")]
+            .iter()
+            .map(|j| serde_json::from_str(j).unwrap())
+            .collect();
+        let payload = rmp_serde::to_vec_named(&events).unwrap();
+        let lenient = decode_lenient(&payload).unwrap();
+        assert_eq!(lenient.bad, 1);
+        assert_eq!(lenient.events.len(), 1);
+        assert_eq!(lenient.events[0].storage_tier, T::Disk);
+    }
+
+    #[test]
     fn unknown_fields_and_missing_optionals() {
         let json = r#"{"worker_id":7,"future":[1,2],"event":{"event_id":9,"data":{"removed":{"block_hashes":[1],"x":1}}}}"#;
         let ev = &decode_json(json.as_bytes()).unwrap()[0];

@@ -211,6 +211,27 @@ impl LowerTiers {
         self.blocks - before
     }
 
+    /// Places one block `worker` names `name` at path hash `path` on `tier`, as a snapshot
+    /// recorded it; returns whether it is new.
+    pub fn restore(&mut self, worker: WorkerDp, tier: usize, name: u64, path: u64) -> bool {
+        let before = self.blocks;
+        self.hold(worker, tier, name, path);
+        self.blocks > before
+    }
+
+    /// `worker`'s lower-tier blocks as `(tier, name, path hash)`.
+    pub fn blocks_of_worker(
+        &self,
+        worker: WorkerDp,
+    ) -> impl Iterator<Item = (StorageTier, u64, u64)> + '_ {
+        self.names.get(&worker).into_iter().flat_map(|tiers| {
+            tiers.iter().enumerate().flat_map(|(t, m)| {
+                m.iter()
+                    .map(move |(&name, &path)| (LOWER_TIERS[t], name, path))
+            })
+        })
+    }
+
     /// Counts a chain that could not be placed.
     pub fn orphan(&mut self) {
         self.orphans += 1;

@@ -101,7 +101,7 @@ stats! {
     restarts,
     /// Workers removed (silence, missed heartbeats, leaving).
     workers_removed,
-    /// Events skipped: not worker-owned or not on the device tier.
+    /// Events skipped: not owned by a worker (a shared pool's, `cache_owner`).
     skipped,
     /// Events for a worker never seen that would have left it with no block (a removal,
     /// a clear, a rejected or empty store): ignored, so that they create no worker.

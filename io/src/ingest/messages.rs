@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use kvrouter_core::event::RouterEvent;
-use kvrouter_core::snapshot::WorkerRecord;
+use kvrouter_core::snapshot::{LowerRecord, WorkerRecord};
 use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
 use super::snapshots::{SnapshotError, SnapshotInfo};
@@ -86,6 +86,8 @@ impl std::fmt::Debug for ShardCmd {
 pub(super) struct ShardPart {
     pub(super) workers: Vec<WorkerRecord>,
     pub(super) events: Vec<RouterEvent>,
+    /// The workers' lower-tier blocks.
+    pub(super) lower: Vec<LowerRecord>,
 }
 
 /// A command to the source core.

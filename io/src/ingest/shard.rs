@@ -14,8 +14,8 @@ use kvrouter_core::event::{KvEventData, RouterEvent};
 use kvrouter_core::index::tree::{ShardMap, ShardWriter};
 use kvrouter_core::index::{ApplyError, WorkerSummary};
 use kvrouter_core::recovery::{EventIds, Verdict};
-use kvrouter_core::snapshot::WorkerRecord;
-use kvrouter_core::worker::{DpRank, StorageTier, WorkerDp, WorkerId};
+use kvrouter_core::snapshot::{LowerRecord, WorkerRecord};
+use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
 use super::counters::{AllCounters, IngestStats, PUBLISH_EVERY, Summaries};
 use super::messages::{Flow, Recovered, ShardCmd, ShardPart, SourceCmd};
@@ -197,7 +197,9 @@ impl ShardCore {
         let mut part = ShardPart {
             workers: Vec::new(),
             events: Vec::new(),
+            lower: Vec::new(),
         };
+        let mut lower = Vec::new();
         // Once a stop is taken (or was already waiting), everything after it waits too.
         let mut stop = self.deferred.iter().any(|c| matches!(c, ShardCmd::Stop));
         let listed: Vec<(WorkerDp, Option<u64>, Option<u64>)> = self
@@ -252,6 +254,15 @@ impl ShardCore {
                 heartbeat_ms: heartbeat.unwrap_or(0),
             });
             self.writer.dump_worker(w, &mut part.events);
+            lower.clear();
+            self.writer.dump_lower_worker(w, &mut lower);
+            part.lower
+                .extend(lower.iter().map(|&(tier, name, path)| LowerRecord {
+                    worker: w,
+                    tier,
+                    name,
+                    path,
+                }));
         }
         part
     }
@@ -275,7 +286,10 @@ impl ShardCore {
     }
 
     pub(super) fn handle(&mut self, e: RouterEvent, publisher: u64) {
-        if !e.is_worker_owned() || e.storage_tier != StorageTier::Device {
+        // Every tier of a worker's own cache is indexed (lower tiers beside the tree, see
+        // `kvrouter_core::index::tiers`); a shared pool's events (`cache_owner`) are not.
+        // The tiers of one worker share its event ids: one publisher numbers them all.
+        if !e.is_worker_owned() {
             self.stats.skipped += 1;
             return;
         }

@@ -96,6 +96,13 @@ pub(super) fn restore(
             tracing::warn!(error = %err, "snapshot chain rejected while restoring");
         }
     }
+    let mut lower_blocks = 0u64;
+    for r in view.lower() {
+        let w = map.shard_of(r.worker.worker_id);
+        if writers[w].restore_lower(r.worker, r.tier, r.name, r.path) {
+            lower_blocks += 1;
+        }
+    }
     let now = Instant::now();
     for r in view.workers() {
         let i = map.shard_of(r.worker.worker_id);
@@ -123,10 +130,11 @@ pub(super) fn restore(
             tracing::warn!(snapshot = %pos.stream, configured = %d.stream, "snapshot of another stream: replaying the whole stream");
         }
     }
-    stats.snapshot_restored_blocks += blocks;
+    stats.snapshot_restored_blocks += blocks + lower_blocks;
     tracing::info!(
         path = %mapped.path().display(),
         blocks,
+        lower_blocks,
         workers = view.workers().len(),
         stream_seq = out.stream_seq,
         ms = started.elapsed().as_millis() as u64,
@@ -211,6 +219,7 @@ impl Snapshotter {
     ) -> Result<SnapshotInfo, SnapshotError> {
         let mut workers = Vec::new();
         let mut events = Vec::new();
+        let mut lower = Vec::new();
         for part in shards
             .snapshot()
             .await
@@ -218,6 +227,7 @@ impl Snapshotter {
         {
             workers.extend(part.workers);
             events.extend(part.events);
+            lower.extend(part.lower);
         }
         let meta = SnapshotMeta {
             created_unix_ms: std::time::SystemTime::now()
@@ -235,21 +245,22 @@ impl Snapshotter {
         std::thread::Builder::new()
             .name("kvrouter-snapshot".into())
             .spawn(move || {
-                let r = kvrouter_core::snapshot::encode(&meta, &workers, &events)
-                    .map_err(SnapshotError::Encode)
-                    .and_then(|bytes| {
-                        let blocks = events.iter().map(|e| e.block_count() as u64).sum();
-                        store
-                            .write(&bytes)
-                            .map(|path| SnapshotInfo {
-                                path,
-                                bytes: bytes.len(),
-                                blocks,
-                                workers: workers.len(),
-                                stream_seq,
-                            })
-                            .map_err(SnapshotError::Write)
-                    });
+                let r =
+                    kvrouter_core::snapshot::encode_with_lower(&meta, &workers, &events, &lower)
+                        .map_err(SnapshotError::Encode)
+                        .and_then(|bytes| {
+                            let blocks = events.iter().map(|e| e.block_count() as u64).sum();
+                            store
+                                .write(&bytes)
+                                .map(|path| SnapshotInfo {
+                                    path,
+                                    bytes: bytes.len(),
+                                    blocks,
+                                    workers: workers.len(),
+                                    stream_seq,
+                                })
+                                .map_err(SnapshotError::Write)
+                        });
                 let _ = done_tx.send(r);
             })
             .map_err(|e| SnapshotError::Thread(Some(e)))?;

@@ -34,7 +34,18 @@ struct RouteOutput {
 struct OverlapEntry {
     worker_id: u64,
     dp_rank: u32,
+    /// Device blocks from the start of the request.
     blocks: u32,
+    /// Host-pinned blocks continuing it past the device prefix (left out when 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    host_blocks: u32,
+    /// Disk (then external) blocks continuing it past that (left out when 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    disk_blocks: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// `a == b` in a time that depends on their lengths only (not on where they differ), so
@@ -272,16 +283,32 @@ impl State {
         self.counters.overlaps += 1;
         let now = self.now_ms();
         let index = Self::index(&self.ingest, self.cfg.kv_events);
-        let list: Vec<OverlapEntry> = self
-            .decider
-            .overlaps(index, &locals, now)
+        let (device, tiers) = self.decider.tier_overlaps(index, &locals, None, now);
+        let mut list: Vec<OverlapEntry> = device
             .iter()
-            .map(|(w, blocks)| OverlapEntry {
-                worker_id: w.worker_id,
-                dp_rank: w.dp_rank,
-                blocks,
+            .map(|(w, blocks)| {
+                let t = tiers.get(w);
+                OverlapEntry {
+                    worker_id: w.worker_id,
+                    dp_rank: w.dp_rank,
+                    blocks,
+                    host_blocks: t.host,
+                    disk_blocks: t.disk,
+                }
             })
             .collect();
+        // Workers whose match starts on a lower tier (no device block of the request).
+        for &(w, t) in tiers.as_slice() {
+            if device.get(w) == 0 {
+                list.push(OverlapEntry {
+                    worker_id: w.worker_id,
+                    dp_rank: w.dp_rank,
+                    blocks: 0,
+                    host_blocks: t.host,
+                    disk_blocks: t.disk,
+                });
+            }
+        }
         Response::json(
             200,
             serde_json::to_vec(&serde_json::json!({ "overlaps": list })).unwrap_or_default(),

@@ -235,6 +235,11 @@ pub(super) fn render(
             "# TYPE kvrouter_index_blocks gauge\nkvrouter_index_blocks {}\n",
             workers.iter().map(|s| s.blocks).sum::<usize>()
         );
+        let _ = write!(
+            out,
+            "# TYPE kvrouter_index_lower_tier_blocks gauge\nkvrouter_index_lower_tier_blocks {}\n",
+            ingest.reader().lower_block_count()
+        );
     }
     out
 }

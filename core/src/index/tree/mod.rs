@@ -99,7 +99,7 @@ use super::{ApplyError, ApplyOutcome, Index, OverlapScores, TierScores, WorkerSu
 use crate::event::RouterEvent;
 use crate::hash::{LocalBlockHash, local_hashes_as_u64};
 use crate::sync::Ordering;
-use crate::worker::{WorkerDp, WorkerId};
+use crate::worker::{StorageTier, WorkerDp, WorkerId};
 
 /// Which shard owns each worker. A worker gets a shard the first time it is asked for —
 /// the shard that then has the fewest live workers, the lowest such on ties (round-robin by
@@ -271,6 +271,36 @@ impl ShardWriter {
     /// worker at a time with events applied in between.
     pub fn dump_worker(&self, worker: WorkerDp, events: &mut Vec<RouterEvent>) {
         self.dump_worker_in(worker, events, &crossbeam_epoch::pin())
+    }
+
+    /// Appends one (worker, dp rank)'s lower-tier blocks to `out` as `(tier, engine name,
+    /// path hash)`, the form a snapshot keeps them in ([`crate::index::tiers`]).
+    pub fn dump_lower_worker(&self, worker: WorkerDp, out: &mut Vec<(StorageTier, u64, u64)>) {
+        let lower = self
+            .shared()
+            .lower
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        out.extend(lower.blocks_of_worker(worker));
+    }
+
+    /// Places a lower-tier block as [`Self::dump_lower_worker`] gave it, for a worker this
+    /// shard knows; returns whether it was placed (not for the device tier, nor for an
+    /// unknown worker).
+    pub fn restore_lower(
+        &mut self,
+        worker: WorkerDp,
+        tier: StorageTier,
+        name: u64,
+        path: u64,
+    ) -> bool {
+        let Some(t) = crate::index::tiers::lower_index(tier) else {
+            return false;
+        };
+        if self.summary_of(worker).is_none() {
+            return false;
+        }
+        self.with_lower(|l| l.restore(worker, t, name, path))
     }
 }
 

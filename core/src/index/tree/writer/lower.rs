@@ -34,7 +34,7 @@ impl ShardWriter {
 
     /// Runs `f` on the shard's lower tiers under the write lock and republishes their
     /// block count.
-    pub(super) fn with_lower<T>(&self, f: impl FnOnce(&mut LowerTiers) -> T) -> T {
+    pub(in crate::index::tree) fn with_lower<T>(&self, f: impl FnOnce(&mut LowerTiers) -> T) -> T {
         let mut lower = self
             .shared
             .lower
