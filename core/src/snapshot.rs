@@ -420,6 +420,7 @@ pub struct SnapshotView<'a> {
     chain_count: usize,
     blocks: u64,
     lower: &'a [u8],
+    version: u32,
 }
 
 /// Parses and fully validates a snapshot: header, checksums, every record's bounds and
@@ -604,6 +605,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
         chain_count,
         blocks,
         lower: lsec,
+        version,
     })
 }
 
@@ -621,6 +623,11 @@ impl<'a> SnapshotView<'a> {
     /// Stored chains in the file.
     pub fn chain_count(&self) -> usize {
         self.chain_count
+    }
+
+    /// The file's format version.
+    pub fn version(&self) -> u32 {
+        self.version
     }
 
     /// Device blocks in the file.
@@ -813,6 +820,7 @@ mod tests {
         let old = restamp(&encode(&meta, &workers, &events).unwrap(), 1);
         let v1 = parse(&old).unwrap();
         assert_eq!((v1.block_count(), v1.lower_count()), (6, 0));
+        assert_eq!((v1.version(), view.version()), (1, FORMAT_VERSION));
         assert_eq!(rebuild(&v1).dump(), rebuild(&view).dump());
         assert_eq!(parse(&restamp(&bytes, 1)).unwrap().lower_count(), 0);
         // What is not a lower-tier block is refused on the way in.

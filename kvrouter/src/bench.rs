@@ -55,6 +55,10 @@ pub(crate) struct BenchArgs {
     /// Our policies' extra weight of each block a request would prefill from scratch (0: Dynamo's formula).
     #[arg(long, default_value_t = CostConfig::default().new_block_weight)]
     new_block_weight: f64,
+    /// Our policies' credit per block continuing a prompt in an engine's host memory
+    /// (Dynamo's `host_cache_hit_weight`), in [0, 1]; `dynamo` always uses 0.75.
+    #[arg(long, default_value_t = CostConfig::default().host_cache_hit_weight)]
+    host_cache_hit_weight: f64,
     /// Our policies' softmax temperature (0: lowest cost wins).
     #[arg(long, default_value_t = CostConfig::default().temperature)]
     temperature: f64,
@@ -94,6 +98,12 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if !positive(args.speed) || !positive(args.engine.engine_speedup) {
         bail!("--speed and --engine-speedup must be positive");
     }
+    if args.engine.host_blocks > 0 && args.nats.is_some() {
+        bail!("--host-blocks runs in-process only (the networked engines publish the device tier)");
+    }
+    if args.engine.host_blocks > 0 && !positive(args.engine.host_gbps) {
+        bail!("--host-gbps must be positive");
+    }
     if args.engine.block_size == 0 || 512 % args.engine.block_size != 0 {
         bail!("--block-size must divide 512 (the trace's block size)");
     }
@@ -117,12 +127,13 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             overlap_score_credit: args.overlap_credit,
             prefill_load_scale: args.prefill_load_scale,
             new_block_weight: args.new_block_weight,
+            host_cache_hit_weight: args.host_cache_hit_weight,
             temperature: args.temperature,
             ..CostConfig::default()
         },
     };
     cfg.cost.check().context(
-        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --temperature)",
+        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --temperature)",
     )?;
     let span_s = trace.last().map_or(0, |r| r.timestamp) as f64 / 1000.0 / args.speed;
     eprintln!(
@@ -214,6 +225,17 @@ pub(crate) struct EngineFlags {
     /// Divides every engine duration (a faster GPU).
     #[arg(long, default_value_t = 1.0)]
     engine_speedup: f64,
+    /// Host-memory tier of each mock engine, blocks (0: none): evicted device blocks are
+    /// offloaded there and onloaded instead of prefilled. In-process runs only.
+    #[arg(long, default_value_t = 0)]
+    host_blocks: usize,
+    /// Host-to-device bandwidth for onloads, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    host_gbps: f64,
+    /// KV bytes per token (the onload size of a block is this × block size; the default is
+    /// Llama-3-8B's: 2 × 32 layers × 8 KV heads × 128 × 2 bytes).
+    #[arg(long, default_value_t = 131_072)]
+    kv_bytes_per_token: u64,
 }
 
 impl EngineFlags {
@@ -223,6 +245,10 @@ impl EngineFlags {
             capacity_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
             speedup: self.engine_speedup,
+            host_capacity_blocks: self.host_blocks,
+            onload_ms_per_block: (self.kv_bytes_per_token * u64::from(self.block_size)) as f64
+                / (self.host_gbps * 1e9)
+                * 1e3,
             ..EngineConfig::default()
         }
     }

@@ -49,10 +49,11 @@ pub(crate) fn run(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             let out = serde_json::json!({
                 "file": file.display().to_string(),
                 "bytes": m.len(),
-                "format_version": kvrouter_core::snapshot::FORMAT_VERSION,
+                "format_version": v.version(),
                 "meta": v.meta(),
                 "chains": v.chain_count(),
                 "blocks": v.block_count(),
+                "lower_tier_blocks": v.lower_count(),
                 "workers": workers,
             });
             println!("{}", serde_json::to_string_pretty(&out)?);

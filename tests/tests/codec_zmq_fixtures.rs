@@ -1,7 +1,8 @@
 //! Golden tests over ZMQ traffic captured from a running Dynamo 1.6.1
 //! (`tests/fixtures/dynamo-1.6.1/zmq/`, copied from `../shared/fixtures`): every frame of
 //! the vLLM-native wire (the mocker's `--zmq-kv-events-ports` publisher) and of Dynamo's own
-//! ZMQ event plane decodes, converts, and numbers as the README says.
+//! ZMQ event plane decodes, converts, and numbers as the README says; and what a mocker with
+//! a host tier publishes (`tests/fixtures/dynamo-host/`).
 
 use std::collections::HashMap;
 
@@ -129,5 +130,58 @@ fn every_dynamo_plane_frame_decodes_like_its_nats_twin() {
     assert_eq!(topics["forward-pass-metrics"], 40);
     for bad in [&b""[..], b"\x02\0\0\0\0", b"\x01\0\0\0\x05ab", b"\x01\0"] {
         assert!(codec::zmq_plane_envelope(bad).is_err(), "{bad:?}");
+    }
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// A 1.6.1 mocker with a host tier (`--num-host-blocks 64`, captured in
+/// `tests/fixtures/dynamo-host/`): a prompt served from host memory reappears as device
+/// stores on both wires, with no `medium` and `storage_tier` device, and the same names.
+#[test]
+fn a_host_tier_mockers_onloads_are_device_stores_on_both_wires() {
+    let text = std::fs::read_to_string(fixture("dynamo-host/raw_frames.jsonl")).unwrap();
+    let mut names: HashMap<u64, (Vec<u64>, Vec<u64>)> = HashMap::new();
+    for line in text.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let frames: Vec<Vec<u8>> = v["frames_hex"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| unhex(f.as_str().unwrap()))
+            .collect();
+        let seq = v["seq"].as_u64().unwrap();
+        let entry = names.entry(seq).or_default();
+        if v["wire"].as_str().unwrap().starts_with("vllm") {
+            let batch = vllm::decode_batch(&frames[2]).expect("EventBatch decodes");
+            let mut dropped = Dropped::default();
+            let out = Converter::new(1, 16).convert(batch, 0, &mut dropped);
+            assert!(dropped.is_empty() && !out.is_empty(), "{dropped:?}");
+            for e in out {
+                assert_eq!(e.storage_tier, kvrouter_core::StorageTier::Device);
+                if let KvEventData::Stored(s) = e.event.data {
+                    entry.0.extend(s.blocks.iter().map(|b| b.block_hash.0));
+                }
+            }
+        } else {
+            let inner = codec::zmq_plane_envelope(&frames[3]).expect("format byte and length");
+            let (_, events) = kv::decode_message(inner).expect("kv-events decode");
+            for e in events {
+                assert_eq!(e.storage_tier, kvrouter_core::StorageTier::Device);
+                if let KvEventData::Stored(s) = e.event.data {
+                    entry.1.extend(s.blocks.iter().map(|b| b.block_hash.0));
+                }
+            }
+        }
+    }
+    assert_eq!(names.len(), 2);
+    for (seq, (vllm, plane)) in names {
+        assert!(!vllm.is_empty(), "seq {seq}");
+        assert_eq!(vllm, plane, "seq {seq}: the two wires name the same blocks");
     }
 }

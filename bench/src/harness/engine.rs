@@ -9,6 +9,13 @@
 //! * **Continuous batching with chunked prefill**: each step runs one decode token for every
 //!   running request past its prefill, plus prefill chunks of the others in arrival order,
 //!   up to `max_batch_tokens` tokens in all.
+//! * **Host tier** (optional, `host_capacity_blocks` > 0): a block evicted from the device
+//!   is offloaded to host memory first (published as stored on the host-pinned tier, before
+//!   the device removal, so its parent is still known), host memory evicting its own least
+//!   recently used blocks (published as removed from the host tier). A request whose
+//!   device prefix continues in host memory onloads those blocks instead of prefilling
+//!   them (they stay in host memory too), at `onload_ms_per_block` each, added to the
+//!   step that admits it.
 //! * **Timing model** (documented in `docs/HARNESS.md`): a step with `T` prefill tokens and
 //!   `D` decode requests over `K` cached tokens of running requests takes
 //!   `(prefill_c + prefill_b·T + prefill_a·T²) [if T > 0] + decode_base + decode_per_ktoken·K/1000`
@@ -18,7 +25,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use kvrouter_core::event::{KvCacheEvent, RouterEvent};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
-use kvrouter_core::worker::WorkerId;
+use kvrouter_core::worker::{StorageTier, WorkerId};
 
 /// Settings of a mock engine.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +50,10 @@ pub struct EngineConfig {
     pub decode_per_ktoken: f64,
     /// Divides every duration.
     pub speedup: f64,
+    /// Host-memory tier capacity, blocks (0: no host tier).
+    pub host_capacity_blocks: usize,
+    /// Time to copy one block from host memory to the device (ms, before `speedup`).
+    pub onload_ms_per_block: f64,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +69,8 @@ impl Default for EngineConfig {
             decode_base: 15.0,
             decode_per_ktoken: 0.04,
             speedup: 1.0,
+            host_capacity_blocks: 0,
+            onload_ms_per_block: 0.0,
         }
     }
 }
@@ -84,6 +97,14 @@ struct Block {
     /// Running requests using the block.
     refs: u32,
     last_used: u64,
+}
+
+/// The host-memory tier: blocks by sequence hash with their last use, least recently used
+/// first.
+#[derive(Debug, Default)]
+struct HostTier {
+    blocks: HashMap<u64, u64>,
+    lru: BTreeSet<(u64, u64)>,
 }
 
 /// A request inside an engine.
@@ -135,6 +156,22 @@ pub struct StepOutcome {
     pub finished: Vec<usize>,
 }
 
+/// Blocks of a chain, parent first: (local, sequence hash).
+type Chain = Vec<(LocalBlockHash, SequenceBlockHash)>;
+
+/// Host-tier changes of one round of evictions, published together: only their net effect
+/// (a block copied and dropped again in one round is neither; one dropped and copied again
+/// stays where it was).
+#[derive(Debug, Default)]
+struct Offloads {
+    /// Blocks copied to host memory, in order: (parent, local, sequence hash).
+    stored: Vec<(Option<u64>, LocalBlockHash, SequenceBlockHash)>,
+    /// Those of `stored` still there.
+    live: std::collections::HashSet<u64>,
+    /// Blocks host memory dropped to make room (held before this round).
+    removed: std::collections::HashSet<u64>,
+}
+
 /// See the [module docs](self).
 #[derive(Debug)]
 pub struct Engine {
@@ -149,8 +186,13 @@ pub struct Engine {
     clock: u64,
     next_event_id: u64,
     events: Vec<RouterEvent>,
-    /// Prompt blocks served from the cache, and prompt blocks in all (for hit ratios).
+    host: HostTier,
+    /// Onload time owed by requests admitted since the last step (ms).
+    onload_ms: f64,
+    /// Prompt blocks served from the device cache (for hit ratios).
     pub hit_blocks: u64,
+    /// Prompt blocks onloaded from host memory.
+    pub host_hit_blocks: u64,
     /// Prompt blocks in all.
     pub prompt_blocks: u64,
 }
@@ -168,7 +210,10 @@ impl Engine {
             clock: 0,
             next_event_id: 0,
             events: Vec::new(),
+            host: HostTier::default(),
+            onload_ms: 0.0,
             hit_blocks: 0,
+            host_hit_blocks: 0,
             prompt_blocks: 0,
         }
     }
@@ -222,11 +267,16 @@ impl Engine {
         }
     }
 
-    fn evict_one(&mut self) -> Option<u64> {
+    /// Evicts the least recently used leaf from the device; offloads it to host memory
+    /// when there is a host tier (its host events queued in `offloaded`).
+    fn evict_one(&mut self, offloaded: &mut Offloads) -> Option<u64> {
         let (stamp, seq) = *self.leaves.iter().next()?;
         self.leaves.remove(&(stamp, seq));
         // Every leaf is cached (the leaf set mirrors the block map).
         let b = self.blocks.remove(&seq)?;
+        if self.cfg.host_capacity_blocks > 0 {
+            self.offload(seq, b, offloaded);
+        }
         if let Some(p) = b.parent
             && let Some(pb) = self.blocks.get_mut(&p)
         {
@@ -236,6 +286,67 @@ impl Engine {
             }
         }
         Some(seq)
+    }
+
+    /// Copies an evicted device block into host memory, making room there first.
+    fn offload(&mut self, seq: u64, b: Block, out: &mut Offloads) {
+        self.clock += 1;
+        if let Some(&old) = self.host.blocks.get(&seq) {
+            self.host.lru.remove(&(old, seq));
+        } else {
+            while self.host.blocks.len() >= self.cfg.host_capacity_blocks {
+                let Some(&(stamp, victim)) = self.host.lru.iter().next() else {
+                    break;
+                };
+                self.host.lru.remove(&(stamp, victim));
+                self.host.blocks.remove(&victim);
+                if !out.live.remove(&victim) {
+                    out.removed.insert(victim);
+                }
+            }
+            if !out.removed.remove(&seq) {
+                out.stored
+                    .push((b.parent, LocalBlockHash(b.local), SequenceBlockHash(seq)));
+                out.live.insert(seq);
+            }
+        }
+        self.host.blocks.insert(seq, self.clock);
+        self.host.lru.insert((self.clock, seq));
+    }
+
+    /// Publishes what eviction did: host stores first (their parents are still on the
+    /// device), then host removals, then the device removals.
+    ///
+    /// Leaves go first, so a run of evictions is a chain child first: reversed, it is
+    /// published as chains parent first, each one stored event under its first block's
+    /// parent (as engines publish offloads), which the router places with one walk of the
+    /// tree per chain rather than per block.
+    fn publish_evictions(&mut self, off: Offloads, removed: Vec<SequenceBlockHash>) {
+        let mut chains: Vec<(Option<u64>, Chain)> = Vec::new();
+        for (parent, l, s) in off.stored.into_iter().rev() {
+            if !off.live.contains(&s.0) {
+                continue;
+            }
+            match chains.last_mut() {
+                Some((_, c)) if c.last().map(|b| b.1.0) == parent => c.push((l, s)),
+                _ => chains.push((parent, vec![(l, s)])),
+            }
+        }
+        for (parent, chain) in chains {
+            self.emit_on(StorageTier::HostPinned, |id| {
+                KvCacheEvent::stored(id, 0, parent.map(SequenceBlockHash), chain)
+            });
+        }
+        if !off.removed.is_empty() {
+            let mut gone: Vec<u64> = off.removed.into_iter().collect();
+            gone.sort_unstable();
+            self.emit_on(StorageTier::HostPinned, |id| {
+                KvCacheEvent::removed(id, 0, gone.into_iter().map(SequenceBlockHash))
+            });
+        }
+        if !removed.is_empty() {
+            self.emit(|id| KvCacheEvent::removed(id, 0, removed));
+        }
     }
 
     /// Moves waiting requests into the batch while their blocks fit.
@@ -250,6 +361,11 @@ impl Engine {
                 .iter()
                 .take_while(|(_, s)| self.blocks.contains_key(&s.0))
                 .count();
+            // Its continuation in host memory, onloaded rather than prefilled.
+            let onload = r.blocks[hit..]
+                .iter()
+                .take_while(|(_, s)| self.host.blocks.contains_key(&s.0))
+                .count();
             let need = r.blocks.len() - hit;
             let free = self.cfg.capacity_blocks.saturating_sub(self.blocks.len());
             let evictable = self.leaves.len();
@@ -262,22 +378,87 @@ impl Engine {
                 self.touch(s.0);
                 self.set_refs(s.0, 1);
             }
+            // The copies to onload are read first: refreshed in host memory before the
+            // evictions below offload anything there.
+            for (_, s) in &r.blocks[hit..hit + onload] {
+                self.clock += 1;
+                if let Some(h) = self.host.blocks.get_mut(&s.0) {
+                    self.host.lru.remove(&(*h, s.0));
+                    *h = self.clock;
+                    self.host.lru.insert((self.clock, s.0));
+                }
+            }
             let mut removed = Vec::new();
+            let mut off = Offloads::default();
             while self.blocks.len() + need > self.cfg.capacity_blocks {
-                match self.evict_one() {
+                match self.evict_one(&mut off) {
                     Some(seq) => removed.push(SequenceBlockHash(seq)),
                     None => break,
                 }
             }
-            if !removed.is_empty() {
-                self.emit(|id| KvCacheEvent::removed(id, 0, removed));
-            }
+            self.publish_evictions(off, removed);
+            let onloaded = self.onload(&r.blocks, hit, onload);
             self.hit_blocks += hit as u64;
+            self.host_hit_blocks += onloaded as u64;
             self.prompt_blocks += r.blocks.len() as u64;
-            r.cached_blocks = hit;
-            r.prefilled = (hit as u32 * self.cfg.block_size).min(r.input_tokens);
+            r.cached_blocks = hit + onloaded;
+            r.prefilled = ((hit + onloaded) as u32 * self.cfg.block_size).min(r.input_tokens);
             r.admitted = true;
             self.running.push(r);
+        }
+    }
+
+    /// Copies `blocks[hit..hit + n]` from host memory to the device (room was made), holding
+    /// a reference on each for the request; publishes them as stored on the device and
+    /// charges their onload time. Returns how many were onloaded (fewer when the device is
+    /// full of blocks in use).
+    fn onload(
+        &mut self,
+        blocks: &[(LocalBlockHash, SequenceBlockHash)],
+        hit: usize,
+        n: usize,
+    ) -> usize {
+        let mut stored = Vec::new();
+        let mut parent = (hit > 0).then(|| blocks[hit - 1].1.0);
+        let first_parent = parent;
+        for &(l, s) in &blocks[hit..hit + n] {
+            if self.blocks.len() >= self.cfg.capacity_blocks {
+                break;
+            }
+            self.clock += 1;
+            self.link_child(parent);
+            self.blocks.insert(
+                s.0,
+                Block {
+                    parent,
+                    local: l.0,
+                    children: 0,
+                    refs: 1,
+                    last_used: self.clock,
+                },
+            );
+            stored.push((l, s));
+            parent = Some(s.0);
+        }
+        let n = stored.len();
+        if n > 0 {
+            self.onload_ms += n as f64 * self.cfg.onload_ms_per_block;
+            self.emit(|id| {
+                KvCacheEvent::stored(id, 0, first_parent.map(SequenceBlockHash), stored)
+            });
+        }
+        n
+    }
+
+    /// Counts a new child of `parent` (no longer an evictable leaf).
+    fn link_child(&mut self, parent: Option<u64>) {
+        if let Some(p) = parent
+            && let Some(pb) = self.blocks.get_mut(&p)
+        {
+            if pb.children == 0 && pb.refs == 0 {
+                self.leaves.remove(&(pb.last_used, p));
+            }
+            pb.children += 1;
         }
     }
 
@@ -294,6 +475,7 @@ impl Engine {
         let first_parent = parent;
         let mut stored = Vec::new();
         let mut removed = Vec::new();
+        let mut off = Offloads::default();
         // Blocks this request holds a reference on (a prefix of its blocks).
         let mut held = hit;
         for (l, s) in new {
@@ -306,21 +488,14 @@ impl Engine {
                 continue;
             }
             if self.blocks.len() >= self.cfg.capacity_blocks {
-                match self.evict_one() {
+                match self.evict_one(&mut off) {
                     Some(seq) => removed.push(SequenceBlockHash(seq)),
                     // Full of blocks in use: the rest of the prompt is not cached.
                     None => break,
                 }
             }
             self.clock += 1;
-            if let Some(p) = parent
-                && let Some(pb) = self.blocks.get_mut(&p)
-            {
-                if pb.children == 0 && pb.refs == 0 {
-                    self.leaves.remove(&(pb.last_used, p));
-                }
-                pb.children += 1;
-            }
+            self.link_child(parent);
             self.blocks.insert(
                 s.0,
                 Block {
@@ -336,9 +511,7 @@ impl Engine {
             held += 1;
         }
         self.running[idx].cached_blocks = held;
-        if !removed.is_empty() {
-            self.emit(|id| KvCacheEvent::removed(id, 0, removed));
-        }
+        self.publish_evictions(off, removed);
         if !stored.is_empty() {
             // One stored event, under the parent of its first block.
             let first = stored[0].1.0;
@@ -351,12 +524,17 @@ impl Engine {
         }
     }
 
-    /// Queues the next event (numbered from 0) for publication.
+    /// Queues the next device event (numbered from 0, one sequence for every tier).
     fn emit(&mut self, event: impl FnOnce(u64) -> KvCacheEvent) {
+        self.emit_on(StorageTier::Device, event);
+    }
+
+    fn emit_on(&mut self, tier: StorageTier, event: impl FnOnce(u64) -> KvCacheEvent) {
         let id = self.next_event_id;
         self.next_event_id += 1;
-        self.events
-            .push(RouterEvent::new(self.worker_id, event(id)));
+        let mut e = RouterEvent::new(self.worker_id, event(id));
+        e.storage_tier = tier;
+        self.events.push(e);
     }
 
     /// Runs one step; returns its duration (ms) and what it produced, or `None` when idle.
@@ -395,7 +573,8 @@ impl Engine {
                 completed_prefill.push(i);
             }
         }
-        let ms = self.cfg.step_ms(prefill_tokens, kv_tokens);
+        let ms = self.cfg.step_ms(prefill_tokens, kv_tokens)
+            + std::mem::take(&mut self.onload_ms) / self.cfg.speedup;
         for &i in &completed_prefill {
             self.store(i);
             let r = &mut self.running[i];
@@ -427,6 +606,11 @@ impl Engine {
     /// Blocks cached now.
     pub fn cached_blocks(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Blocks in host memory now.
+    pub fn host_blocks(&self) -> usize {
+        self.host.blocks.len()
     }
 
     /// The local hash of a cached block (for tests).
@@ -483,6 +667,73 @@ mod tests {
             3
         );
         assert_eq!(index.block_count(), e.cached_blocks());
+    }
+
+    #[test]
+    fn evicted_blocks_go_to_host_memory_and_come_back_without_prefill() {
+        use kvrouter_core::index::TierScores;
+        use kvrouter_core::worker::WorkerDp;
+        let cfg = EngineConfig {
+            block_size: 4,
+            capacity_blocks: 4,
+            max_batch_tokens: 100,
+            host_capacity_blocks: 6,
+            onload_ms_per_block: 1.0,
+            ..Default::default()
+        };
+        let mut e = Engine::new(1, cfg);
+        let mut index = ReferenceIndex::new();
+        let w = WorkerDp::new(1, 0);
+        let run = |e: &mut Engine, index: &mut ReferenceIndex, r: EngineRequest| {
+            e.submit(r);
+            let mut ms = Vec::new();
+            while let Some((t, _)) = e.step() {
+                ms.push(t);
+            }
+            for ev in e.take_events() {
+                index.apply(ev).expect("the engine's events apply cleanly");
+            }
+            ms
+        };
+        let tiers_of = |index: &ReferenceIndex, ids: &[u64]| {
+            let q: Vec<LocalBlockHash> = ids.iter().map(|&i| LocalBlockHash(i)).collect();
+            let paths: Vec<u64> = kvrouter_core::hash::sequence_hashes(&q)
+                .iter()
+                .map(|s| s.0)
+                .collect();
+            let device = index.find_matches(&q);
+            let mut t = TierScores::new();
+            index.tier_overlaps_into(&q, &paths, &device, &mut t);
+            t.finish();
+            (device.get(w), t.get(w).host)
+        };
+        run(
+            &mut e,
+            &mut index,
+            EngineRequest::new(0, 16, 1, chain(&[1, 2, 3, 4])),
+        );
+        // B takes the whole device: A's blocks are offloaded, published on the host tier.
+        run(
+            &mut e,
+            &mut index,
+            EngineRequest::new(1, 16, 1, chain(&[5, 6, 7, 8])),
+        );
+        assert_eq!((e.cached_blocks(), e.host_blocks()), (4, 4));
+        assert_eq!(tiers_of(&index, &[1, 2, 3, 4]), (0, 4));
+        // A again: onloaded (4 ms on its first step), not prefilled; B goes to host memory,
+        // which (6 blocks) keeps B's 4 and 2 of A's copies.
+        let ms = run(
+            &mut e,
+            &mut index,
+            EngineRequest::new(2, 16, 1, chain(&[1, 2, 3, 4])),
+        );
+        assert_eq!((e.hit_blocks, e.host_hit_blocks), (0, 4));
+        assert_eq!(ms[0], cfg.step_ms(0, 16) + 4.0, "{ms:?}");
+        assert_eq!(e.host_blocks(), 6);
+        assert_eq!(tiers_of(&index, &[1, 2, 3, 4]), (4, 0));
+        assert_eq!(index.block_count(), e.cached_blocks());
+        assert_eq!(index.lower_block_count(), e.host_blocks());
+        assert_eq!(tiers_of(&index, &[5, 6, 7, 8]).0, 0);
     }
 
     #[test]

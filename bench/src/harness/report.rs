@@ -74,6 +74,9 @@ pub struct PolicyReport {
     /// routing trade-off (hits below this) from hits that no choice could have had.
     /// In-process runs only (`null` in networked mode).
     pub offered_prefix_hit_ratio: Option<f64>,
+    /// Prompt blocks onloaded from the engines' host memory / prompt blocks (`null`
+    /// without a host tier).
+    pub host_hit_ratio: Option<f64>,
     /// Requests per worker.
     pub requests_per_worker: Vec<u64>,
     /// Requests completed.
@@ -139,6 +142,7 @@ impl PolicyReport {
             ideal_prefix_hit_ratio: ideals.infinite,
             capacity_prefix_hit_ratio: ideals.capacity,
             offered_prefix_hit_ratio: None,
+            host_hit_ratio: None,
             requests_per_worker,
             completed,
             ttfts: ttft,
@@ -199,7 +203,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>7} {:>7} {:>9}",
+        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>7} {:>7} {:>7} {:>9}",
         "policy",
         "TTFT mean",
         "p50",
@@ -211,6 +215,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
         "req/s",
         "hit %",
         "offered %",
+        "host %",
         "cap %",
         "ideal %",
         "max/min"
@@ -218,7 +223,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>9} {:>7.1} {:>7.1} {:>9.2}",
+            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>9} {:>7} {:>7.1} {:>7.1} {:>9.2}",
             r.policy,
             r.ttft_ms.mean,
             r.ttft_ms.p50,
@@ -230,6 +235,8 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.throughput_rps,
             r.prefix_hit_ratio * 100.0,
             r.offered_prefix_hit_ratio
+                .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
+            r.host_hit_ratio
                 .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
             r.capacity_prefix_hit_ratio * 100.0,
             r.ideal_prefix_hit_ratio * 100.0,

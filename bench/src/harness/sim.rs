@@ -383,6 +383,9 @@ fn run(
     );
     report.offered_prefix_hit_ratio =
         (router.routed_blocks > 0).then(|| router.best_blocks as f64 / router.routed_blocks as f64);
+    let host_hits: u64 = engines.iter().map(|e| e.host_hit_blocks).sum();
+    report.host_hit_ratio = (cfg.engine.host_capacity_blocks > 0 && prompt > 0)
+        .then(|| host_hits as f64 / prompt as f64);
     (report, router, engines)
 }
 
@@ -442,6 +445,31 @@ mod tests {
             let cached: usize = engines.iter().map(Engine::cached_blocks).sum();
             assert_eq!(router.index.block_count(), cached, "{}", policy.name());
         }
+    }
+
+    #[test]
+    fn with_a_host_tier_the_index_mirrors_both_tiers_and_onloads_are_credited() {
+        let trace = conversations();
+        // A device too small for the conversations: older turns live in host memory.
+        let mut cfg = cfg();
+        cfg.engine.capacity_blocks = 24;
+        cfg.engine.host_capacity_blocks = 256;
+        cfg.engine.onload_ms_per_block = 0.5;
+        let ideals = Ideals::compute(&trace, &cfg);
+        for policy in [Policy::KvAware, Policy::Dynamo] {
+            let (report, router, engines) = run(&trace, policy, &cfg, &ideals, |_| {});
+            assert_eq!(report.completed, trace.len() as u64, "{}", policy.name());
+            let cached: usize = engines.iter().map(Engine::cached_blocks).sum();
+            let host: usize = engines.iter().map(Engine::host_blocks).sum();
+            assert!(host > 0, "{}", policy.name());
+            assert_eq!(router.index.block_count(), cached, "{}", policy.name());
+            assert_eq!(router.index.lower_block_count(), host, "{}", policy.name());
+            let host_hits = report.host_hit_ratio.expect("a host tier");
+            assert!(host_hits > 0.0, "{}: {report:?}", policy.name());
+        }
+        cfg.engine.host_capacity_blocks = 0;
+        let (report, _, _) = run(&trace, Policy::KvAware, &cfg, &ideals, |_| {});
+        assert_eq!(report.host_hit_ratio, None);
     }
 
     #[test]

@@ -37,6 +37,14 @@
 //! [`LowerTiers::orphans`]); Dynamo keeps its edge, which a later device block of that name
 //! could reach.
 //!
+//! **Cost of placing a chain.** A lower-tier chain whose parent is a lower-tier block of
+//! the worker is placed in O(1) per block. One whose parent is a device block pays one walk
+//! of the tree from that block to the root (O(depth)) to learn its path hash, once per
+//! event: engines publish offloads as chains (vLLM's connector per request, our mock
+//! engine per round of evictions), so this is once per chain. An engine that published
+//! every offloaded block of a deep prefix as its own event under a device parent would pay
+//! the walk per block.
+//!
 //! A block moving between tiers is two events (stored on one, removed from the other, in
 //! either order); each tier keeps its own copy, so an offload, an onload or an eviction
 //! from one tier never loses the others'.
