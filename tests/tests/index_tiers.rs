@@ -3,10 +3,12 @@
 //! block), over random sequences of device and lower-tier stores, removals, clears and
 //! worker removals, with one shard and with two. Engines name blocks by content here (a
 //! block's name is a function of its path, the same on every tier), which is where the two
-//! models agree by design (see `kvrouter_core::index::tiers`).
+//! models agree by design (see `kvrouter_core::index::tiers`). The ops are
+//! `kvrouter_core::index::ops::TierOp`, which the fuzz target `index_tiers` decodes too.
 
 use kvrouter_core::event::{KvCacheEvent, RouterEvent};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash, sequence_hashes};
+use kvrouter_core::index::ops::{TierOp, run_tiered};
 use kvrouter_core::index::{
     Index, OverlapScores, ReferenceIndex, TierOverlap, TierScores, TreeIndex,
 };
@@ -19,34 +21,6 @@ const TIERS: [StorageTier; 4] = [
     StorageTier::Disk,
     StorageTier::External,
 ];
-
-#[derive(Debug, Clone)]
-enum Op {
-    /// Stores `path[from..]` under `path[..from]` on `tier`.
-    Store {
-        worker: u8,
-        tier: u8,
-        path: Vec<u8>,
-        from: u8,
-    },
-    /// Removes the blocks at `path[at..]` from `tier`.
-    Remove {
-        worker: u8,
-        tier: u8,
-        path: Vec<u8>,
-        at: u8,
-    },
-    Clear {
-        worker: u8,
-        tier: u8,
-    },
-    RemoveWorker {
-        worker: u8,
-    },
-    Query {
-        path: Vec<u8>,
-    },
-}
 
 fn locals(path: &[u8]) -> Vec<LocalBlockHash> {
     path.iter()
@@ -68,16 +42,16 @@ fn event(worker: u8, tier: u8, data: KvCacheEvent) -> RouterEvent {
     e
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op() -> impl Strategy<Value = TierOp> {
     let path = || proptest::collection::vec(0..3u8, 1..=6);
     prop_oneof![
         6 => (0..3u8, 0..4u8, path(), 0..6u8)
-            .prop_map(|(worker, tier, path, from)| Op::Store { worker, tier, path, from }),
+            .prop_map(|(worker, tier, path, from)| TierOp::Store { worker, tier, path, from }),
         3 => (0..3u8, 0..4u8, path(), 0..6u8)
-            .prop_map(|(worker, tier, path, at)| Op::Remove { worker, tier, path, at }),
-        1 => (0..3u8, 0..4u8).prop_map(|(worker, tier)| Op::Clear { worker, tier }),
-        1 => (0..3u8).prop_map(|worker| Op::RemoveWorker { worker }),
-        4 => proptest::collection::vec(0..3u8, 0..=7).prop_map(|path| Op::Query { path }),
+            .prop_map(|(worker, tier, path, at)| TierOp::Remove { worker, tier, path, at }),
+        1 => (0..3u8, 0..4u8).prop_map(|(worker, tier)| TierOp::Clear { worker, tier }),
+        1 => (0..3u8).prop_map(|worker| TierOp::RemoveWorker { worker }),
+        4 => proptest::collection::vec(0..3u8, 0..=7).prop_map(|path| TierOp::Query { path }),
     ]
 }
 
@@ -89,69 +63,11 @@ fn tiers_of(idx: &dyn Index, query: &[LocalBlockHash]) -> (OverlapScores, TierSc
     (device, out)
 }
 
-fn run(ops: &[Op], shards: usize) -> Result<(), TestCaseError> {
+fn run(ops: &[TierOp], shards: usize) -> Result<(), TestCaseError> {
     let mut tree = TreeIndex::new(shards);
     let mut reference = ReferenceIndex::new();
     for op in ops {
-        let events: Vec<RouterEvent> = match op {
-            Op::Store {
-                worker,
-                tier,
-                path,
-                from,
-            } => {
-                let from = (*from as usize).min(path.len() - 1);
-                let ls = locals(path);
-                let ns = names(path);
-                let parent = (from > 0).then(|| ns[from - 1]);
-                let blocks = ls[from..].iter().copied().zip(ns[from..].iter().copied());
-                vec![event(
-                    *worker,
-                    *tier,
-                    KvCacheEvent::stored(0, 0, parent, blocks),
-                )]
-            }
-            Op::Remove {
-                worker,
-                tier,
-                path,
-                at,
-            } => {
-                let at = (*at as usize).min(path.len() - 1);
-                let ns = names(path);
-                vec![event(
-                    *worker,
-                    *tier,
-                    KvCacheEvent::removed(0, 0, ns[at..].iter().rev().copied()),
-                )]
-            }
-            Op::Clear { worker, tier } => vec![event(*worker, *tier, KvCacheEvent::cleared(0, 0))],
-            Op::RemoveWorker { worker } => {
-                tree.remove_worker(u64::from(*worker));
-                reference.remove_worker(u64::from(*worker));
-                vec![]
-            }
-            Op::Query { path } => {
-                let q = locals(path);
-                let (d1, t1) = tiers_of(&tree, &q);
-                let (d2, t2) = tiers_of(&reference, &q);
-                prop_assert_eq!(d1, d2, "device scores of {:?}", path);
-                prop_assert_eq!(t1, t2, "tier scores of {:?}", path);
-                vec![]
-            }
-        };
-        for e in events {
-            let a = tree.apply(e.clone());
-            let b = reference.apply(e);
-            prop_assert_eq!(a.is_ok(), b.is_ok(), "{:?}", op);
-        }
-        prop_assert_eq!(
-            tree.lower_block_count(),
-            reference.lower_block_count(),
-            "after {:?}",
-            op
-        );
-        prop_assert_eq!(tree.block_count(), reference.block_count());
+        run_tiered(&mut tree, &mut reference, op).map_err(TestCaseError::fail)?;
     }
     Ok(())
 }

@@ -280,3 +280,183 @@ pub fn op_worker(op: &Op) -> Option<WorkerDp> {
         _ => None,
     }
 }
+
+/// An operation on a worker's storage tiers, for the differential checks of the lower tiers
+/// (the proptest `index_tiers` and the fuzz target `index_tiers`). Blocks are named by
+/// content (a block's name is a function of its path, the same on every tier and worker),
+/// where the tree's path-keyed tiers and the reference's literal Dynamo edges agree by
+/// design (see [`crate::index::tiers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierOp {
+    /// Stores `path[from..]` under `path[..from]` on `tier` (0 the device, 1 host, 2 disk,
+    /// 3 external).
+    Store {
+        /// Worker number.
+        worker: u8,
+        /// Tier number.
+        tier: u8,
+        /// Block path (symbols `< SYMBOLS`, at least one).
+        path: Vec<u8>,
+        /// Where the stored chain starts.
+        from: u8,
+    },
+    /// Removes the blocks at `path[at..]` from `tier`, tail first.
+    Remove {
+        /// Worker number.
+        worker: u8,
+        /// Tier number.
+        tier: u8,
+        /// Block path (at least one).
+        path: Vec<u8>,
+        /// First block removed.
+        at: u8,
+    },
+    /// Clears `tier` (the device: every tier, as an engine's clear does).
+    Clear {
+        /// Worker number.
+        worker: u8,
+        /// Tier number.
+        tier: u8,
+    },
+    /// Removes the worker.
+    RemoveWorker {
+        /// Worker number.
+        worker: u8,
+    },
+    /// Looks `path` up on every tier.
+    Query {
+        /// Query path.
+        path: Vec<u8>,
+    },
+}
+
+/// Workers [`TierOp`]s name.
+pub const TIER_WORKERS: u8 = 3;
+
+/// The content name of the block at `path`, moved off the local hashes' range.
+pub fn content_name(path: &[u8]) -> SequenceBlockHash {
+    SequenceBlockHash(name(path, 0, Naming::Chain).0 ^ 0xa5a5_0000_0000_0000)
+}
+
+impl TierOp {
+    /// The event this op stands for (`None` for a query or a worker removal).
+    pub fn to_event(&self) -> Option<RouterEvent> {
+        let tier = |t: u8| crate::worker::StorageTier::ALL[(t % 4) as usize];
+        let (worker, t, data) = match self {
+            TierOp::Store {
+                worker,
+                tier,
+                path,
+                from,
+            } => {
+                let from = (*from as usize).min(path.len().checked_sub(1)?);
+                let ls = locals(path);
+                let parent = (from > 0).then(|| content_name(&path[..from]));
+                let blocks = (from..path.len()).map(|i| (ls[i], content_name(&path[..=i])));
+                (*worker, *tier, KvCacheEvent::stored(0, 0, parent, blocks))
+            }
+            TierOp::Remove {
+                worker,
+                tier,
+                path,
+                at,
+            } => {
+                let at = (*at as usize).min(path.len().checked_sub(1)?);
+                let names = (at..path.len()).rev().map(|i| content_name(&path[..=i]));
+                (*worker, *tier, KvCacheEvent::removed(0, 0, names))
+            }
+            TierOp::Clear { worker, tier } => (*worker, *tier, KvCacheEvent::cleared(0, 0)),
+            TierOp::RemoveWorker { .. } | TierOp::Query { .. } => return None,
+        };
+        let mut e = RouterEvent::new(u64::from(worker), data);
+        e.storage_tier = tier(t);
+        Some(e)
+    }
+
+    /// Decodes one op from fuzz input; `None` when the input is exhausted.
+    pub fn decode(data: &mut &[u8]) -> Option<TierOp> {
+        fn take(data: &mut &[u8]) -> Option<u8> {
+            let (&b, rest) = data.split_first()?;
+            *data = rest;
+            Some(b)
+        }
+        fn path(data: &mut &[u8], min: usize) -> Option<Vec<u8>> {
+            let n = (take(data)? as usize % 7).max(min);
+            (0..n).map(|_| take(data).map(|b| b % 3)).collect()
+        }
+        let tag = take(data)?;
+        let worker = (tag >> 4) % TIER_WORKERS;
+        let tier = (tag >> 2) & 3;
+        Some(match tag & 3 {
+            0 => TierOp::Store {
+                worker,
+                tier,
+                from: take(data)? % 6,
+                path: path(data, 1)?,
+            },
+            1 => TierOp::Remove {
+                worker,
+                tier,
+                at: take(data)? % 6,
+                path: path(data, 1)?,
+            },
+            2 if tag & 0x80 != 0 => TierOp::RemoveWorker { worker },
+            2 => TierOp::Clear { worker, tier },
+            _ => TierOp::Query {
+                path: path(data, 0)?,
+            },
+        })
+    }
+}
+
+/// An index's device scores of `path` and its lower tiers' continuation.
+pub fn tier_scores<I: Index + ?Sized>(
+    index: &I,
+    path: &[u8],
+) -> (OverlapScores, crate::index::TierScores) {
+    let query = locals(path);
+    let device = index.find_matches(&query);
+    let paths: Vec<u64> = crate::hash::sequence_hashes(&query)
+        .into_iter()
+        .map(|s| s.0)
+        .collect();
+    let mut out = crate::index::TierScores::new();
+    index.tier_overlaps_into(&query, &paths, &device, &mut out);
+    (device, out)
+}
+
+/// Applies `op` to both indexes and compares them: whether the event applied, the blocks
+/// on the device and on lower tiers, and a query's scores on every tier. `Err` says where
+/// they differ.
+pub fn run_tiered<A: Index + ?Sized, B: Index + ?Sized>(
+    tree: &mut A,
+    reference: &mut B,
+    op: &TierOp,
+) -> Result<(), String> {
+    match op {
+        TierOp::RemoveWorker { worker } => {
+            tree.remove_worker(u64::from(*worker));
+            reference.remove_worker(u64::from(*worker));
+        }
+        TierOp::Query { path } => {
+            let (a, b) = (tier_scores(tree, path), tier_scores(reference, path));
+            if a != b {
+                return Err(format!("scores of {path:?}: {a:?} against {b:?}"));
+            }
+        }
+        _ => {
+            if let Some(e) = op.to_event() {
+                let (a, b) = (tree.apply(e.clone()).is_ok(), reference.apply(e).is_ok());
+                if a != b {
+                    return Err(format!("{op:?} applied: {a} against {b}"));
+                }
+            }
+        }
+    }
+    let lower = (tree.lower_block_count(), reference.lower_block_count());
+    let device = (tree.block_count(), reference.block_count());
+    if lower.0 != lower.1 || device.0 != device.1 {
+        return Err(format!("after {op:?}: lower {lower:?}, device {device:?}"));
+    }
+    Ok(())
+}
