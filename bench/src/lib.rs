@@ -5,6 +5,7 @@
 //! * [`perf`]: timed replays of replay logs through an index (`kvrouter replay --perf`).
 //! * [`concurrent`]: writers applying a log's events at full speed while readers look up.
 //! * [`ingest`]: end-to-end ingest over a real NATS server, next to the broker's raw rate.
+//! * [`heap`]: the counting allocator that measures an index's live heap in replays.
 //! * [`harness`]: mock engines serving a Mooncake trace under each routing policy
 //!   (`kvrouter bench`).
 //! * [`route`]: a load generator for the routing API.
@@ -18,6 +19,7 @@ pub mod concurrent;
 #[cfg(feature = "dynamo")]
 pub mod dynamo;
 pub mod harness;
+pub mod heap;
 pub mod hostile;
 pub mod ingest;
 pub mod perf;

@@ -144,6 +144,11 @@ pub struct PerfReport {
     pub bytes_per_block: f64,
     /// The index's own accounting of its heap, when it has one.
     pub heap_bytes: Option<u64>,
+    /// Live heap growth over the replay, from the counting allocator ([`crate::heap`]),
+    /// when it counts.
+    pub heap_growth_bytes: Option<u64>,
+    /// `heap_growth_bytes / cached_blocks`.
+    pub heap_bytes_per_block: Option<f64>,
     /// Sum of the best score of every query (a checksum: equal across correct indexes).
     pub score_checksum: u64,
 }
@@ -191,6 +196,7 @@ pub fn percentile(sorted: &[u64], p: f64) -> u64 {
 pub struct Stopwatch {
     busy: Duration,
     rss_before: u64,
+    heap_before: Option<i64>,
     latencies: Vec<u64>,
     checksum: u64,
 }
@@ -199,10 +205,12 @@ impl Stopwatch {
     /// Starts timing (records the RSS before the replay).
     pub fn start(queries: usize) -> Self {
         let rss_before = rss_bytes();
+        let latencies = Vec::with_capacity(queries);
         Self {
             busy: Duration::ZERO,
             rss_before,
-            latencies: Vec::with_capacity(queries),
+            heap_before: crate::heap::enabled().then(crate::heap::live_bytes),
+            latencies,
             checksum: 0,
         }
     }
@@ -240,6 +248,9 @@ impl Stopwatch {
         heap_bytes: Option<u64>,
     ) -> PerfReport {
         let rss_after = rss_bytes();
+        let heap_growth = self
+            .heap_before
+            .map(|b| (crate::heap::live_bytes() - b).max(0) as u64);
         self.latencies.sort_unstable();
         let ops = log.ops.len() as u64;
         let block_ops = log.event_blocks + log.query_blocks;
@@ -266,6 +277,10 @@ impl Stopwatch {
                 growth as f64 / cached_blocks as f64
             },
             heap_bytes,
+            heap_growth_bytes: heap_growth,
+            heap_bytes_per_block: heap_growth
+                .filter(|_| cached_blocks > 0)
+                .map(|h| h as f64 / cached_blocks as f64),
             score_checksum: self.checksum,
         }
     }

@@ -3,13 +3,16 @@
 //! ```text
 //! kvrouter-bench perf LOG --index tree|reference|dynamo-radix|dynamo-crtc [--threads N] [--json]
 //! kvrouter-bench concurrent LOG --index tree|dynamo-crtc [--writers N] [--readers N] [--passes 1] [--json]
-//! kvrouter-bench compare LOG [--runs 3] [--writers 2] [--readers 1] [--passes 5]
+//! kvrouter-bench compare LOG... [--runs 3] [--writers 2] [--readers 1] [--passes 5]
 //! kvrouter-bench recovery [--blocks 1000000] [--workers 16] [--kvrouter target/release/kvrouter] [--runs 5]
 //! ```
 //!
 //! `compare` runs every index in its own process (so that RSS figures are per index),
-//! `--runs` times each, and prints medians and our/Dynamo ratios. Dynamo's indexes need
-//! `--features dynamo`.
+//! `--runs` times each, for every log given, and prints medians, our/Dynamo ratios, and a
+//! summary of every log at the end. Dynamo's indexes need `--features dynamo`.
+//!
+//! `perf` counts the live heap (the binary's allocator is [`kvrouter_bench::heap`]), so
+//! bytes per cached block come from what each index allocated, next to RSS growth.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,6 +23,9 @@ use kvrouter_bench::concurrent::{self, ConcurrentReport};
 use kvrouter_bench::perf::{self, LoadedLog, PerfReport};
 use kvrouter_core::index::{ReferenceIndex, TreeIndex};
 use serde_json::Value;
+
+#[global_allocator]
+static ALLOC: kvrouter_bench::heap::Counting = kvrouter_bench::heap::Counting;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -199,10 +205,11 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
-    /// Every index, each in its own process, `--runs` times; medians and ratios.
+    /// Every index, each in its own process, `--runs` times, per log; medians and ratios.
     Compare {
-        /// Replay log.
-        log: PathBuf,
+        /// Replay logs (each compared in turn, then summarised together).
+        #[arg(required = true, num_args = 1..)]
+        logs: Vec<PathBuf>,
         /// Runs per index.
         #[arg(long, default_value_t = 3)]
         runs: usize,
@@ -226,6 +233,7 @@ fn main() -> anyhow::Result<()> {
             threads,
             json,
         } => {
+            kvrouter_bench::heap::enable();
             let loaded = LoadedLog::load(&log)?;
             let report = perf_one(&loaded, &index, threads)?;
             emit(&report, json, print_perf)
@@ -243,12 +251,19 @@ fn main() -> anyhow::Result<()> {
             emit(&report, json, print_concurrent)
         }
         Cmd::Compare {
-            log,
+            logs,
             runs,
             writers,
             readers,
             passes,
-        } => compare(&log, runs, writers, readers, passes),
+        } => {
+            let mut rows = Vec::new();
+            for log in &logs {
+                rows.push(compare(log, runs, writers, readers, passes)?);
+            }
+            print_summary(&rows, runs);
+            Ok(())
+        }
         Cmd::Route {
             log,
             rate,
@@ -533,6 +548,8 @@ fn print_perf(r: &PerfReport) {
         r.heap_bytes.map_or(String::new(), |h| format!(
             ", own heap {:.1} bytes/block",
             h as f64 / r.cached_blocks.max(1) as f64
+        )) + &r.heap_bytes_per_block.map_or(String::new(), |h| format!(
+            ", live heap growth {h:.1} bytes/block"
         )),
         r.score_checksum
     );
@@ -572,13 +589,52 @@ fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
+/// One log's ratios, ours over Dynamo's (`None` where Dynamo's side did not run).
+#[derive(Debug, Default)]
+struct Summary {
+    log: String,
+    block_ops: Option<f64>,
+    heap_per_block: Option<f64>,
+    rss_per_block: Option<f64>,
+    find_p99: Option<f64>,
+    event_blocks: Option<f64>,
+    lookups: Option<f64>,
+    lookup_p99: Option<f64>,
+}
+
+fn print_summary(rows: &[Summary], runs: usize) {
+    let x = |v: Option<f64>| v.map_or_else(|| "–".to_owned(), |v| format!("×{v:.2}"));
+    println!(
+        "\n## Summary: tree over Dynamo, every log (medians of {runs} runs; targets: ≥ 3, ≥ 3, ≤ 0.5, ≤ 0.5, ≥ 3, ≥ 3, ≤ 0.5)\n"
+    );
+    println!(
+        "| log | block ops/s vs RadixTree | heap bytes/block | RSS bytes/block | find p99 | event blocks/s vs CRTC | lookups/s | lookup p99 |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for r in rows {
+        let name = Path::new(&r.log)
+            .file_name()
+            .map_or(r.log.clone(), |n| n.to_string_lossy().into_owned());
+        println!(
+            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            x(r.block_ops),
+            x(r.heap_per_block),
+            x(r.rss_per_block),
+            x(r.find_p99),
+            x(r.event_blocks),
+            x(r.lookups),
+            x(r.lookup_p99)
+        );
+    }
+}
+
 fn compare(
     log: &Path,
     runs: usize,
     writers: usize,
     readers: usize,
     passes: usize,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Summary> {
     let log_s = log.display().to_string();
     let mut seq: Vec<(String, Vec<Value>)> = Vec::new();
     let indexes: Vec<&str> = if cfg!(feature = "dynamo") {
@@ -635,12 +691,12 @@ fn compare(
         "## Sequential replay of {log_s} (median of {runs} runs, each index in its own process)\n"
     );
     println!(
-        "| index | M block ops/s | ops/s | find p50 ns | p99 ns | p999 ns | peak RSS MiB | bytes/cached block |"
+        "| index | M block ops/s | ops/s | find p50 ns | p99 ns | p999 ns | peak RSS MiB | RSS bytes/cached block | heap bytes/cached block |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, vs) in &seq {
         println!(
-            "| {name} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} |",
+            "| {name} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
             med(vs, "block_ops_per_s") / 1e6,
             med(vs, "ops_per_s"),
             med(vs, "match_p50_ns"),
@@ -648,8 +704,13 @@ fn compare(
             med(vs, "match_p999_ns"),
             med(vs, "peak_rss_bytes") / (1 << 20) as f64,
             med(vs, "bytes_per_block"),
+            med(vs, "heap_bytes_per_block"),
         );
     }
+    let mut summary = Summary {
+        log: log_s.clone(),
+        ..Summary::default()
+    };
     let get = |name: &str, k: &str| {
         seq.iter()
             .find(|(n, _)| n == name)
@@ -660,20 +721,33 @@ fn compare(
         get("dynamo-radix", "block_ops_per_s"),
     ) {
         println!("\ntree / dynamo-radix: block ops/s x{:.2}", t / d);
+        summary.block_ops = Some(t / d);
+        if let (Some(th), Some(dh)) = (
+            get("tree", "heap_bytes_per_block"),
+            get("dynamo-radix", "heap_bytes_per_block"),
+        ) {
+            println!(
+                "tree / dynamo-radix: heap bytes per cached block x{:.2}",
+                th / dh
+            );
+            summary.heap_per_block = Some(th / dh);
+        }
         if let (Some(tb), Some(db)) = (
             get("tree", "bytes_per_block"),
             get("dynamo-radix", "bytes_per_block"),
         ) {
             println!(
-                "tree / dynamo-radix: bytes per cached block x{:.2}",
+                "tree / dynamo-radix: RSS bytes per cached block x{:.2}",
                 tb / db
             );
+            summary.rss_per_block = Some(tb / db);
         }
         if let (Some(tp), Some(dp)) = (
             get("tree", "match_p99_ns"),
             get("dynamo-radix", "match_p99_ns"),
         ) {
             println!("tree / dynamo-radix: find_matches p99 x{:.2}", tp / dp);
+            summary.find_p99 = Some(tp / dp);
         }
     }
     println!(
@@ -704,16 +778,19 @@ fn compare(
         cget("dynamo-crtc", "event_blocks_per_s"),
     ) {
         println!("\ntree / dynamo-crtc: event blocks/s x{:.2}", t / d);
+        summary.event_blocks = Some(t / d);
         let (tl, dl) = (
             cget("tree", "lookups_per_s").unwrap_or(0.0),
             cget("dynamo-crtc", "lookups_per_s").unwrap_or(1.0),
         );
         println!("tree / dynamo-crtc: lookups/s x{:.2}", tl / dl);
+        summary.lookups = Some(tl / dl);
         let (tp, dp) = (
             cget("tree", "lookup_p99_ns").unwrap_or(0.0),
             cget("dynamo-crtc", "lookup_p99_ns").unwrap_or(1.0),
         );
         println!("tree / dynamo-crtc: lookup p99 x{:.2}", tp / dp);
+        summary.lookup_p99 = Some(tp / dp);
     }
-    Ok(())
+    Ok(summary)
 }
