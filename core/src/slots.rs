@@ -16,6 +16,18 @@
 //! `n` blocks costs `O(log n)` probes per busy worker, not `n` (a huge prompt must not stall
 //! every other decision).
 //!
+//! **Counting by prefix, not by block.** Since the held set is a union of chains, it is kept
+//! as a tree: each held block records its parent (the block before it in the chain that
+//! added it) and a count of what keeps it: its held children plus the requests that end
+//! there (a request *pins* its last block). Adding a prompt inserts only the blocks past the
+//! prefix the worker holds and pins one block; releasing it unpins that block and removes
+//! blocks upward while nothing keeps them. So a session's next turn, which repeats its
+//! previous prompt and adds a few blocks, costs those few blocks, not its whole length (an
+//! agentic prompt is about 1,900 blocks), and `active_blocks` is still the number of
+//! distinct blocks. Input that is not a chain (a hash seen before under another parent)
+//! stays consistent: the request then pins each stretch it built where it joins a held
+//! block, and every pin is undone on release.
+//!
 //! A worker whose last request is released keeps its (empty) block map, so that a worker
 //! that goes idle between requests does not allocate and free a map per request; the map
 //! goes when the worker is removed, and its memory when it was grown past
@@ -32,6 +44,8 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
+
+use smallvec::SmallVec;
 
 use crate::hash::MixBuildHasher;
 use crate::index::OverlapScores;
@@ -72,17 +86,156 @@ pub struct WorkerLoad {
     pub active_requests: u64,
 }
 
+/// A held block: its parent in the chain that added it, and what keeps it (held children
+/// and pins of requests ending at it).
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    parent: u64,
+    has_parent: bool,
+    keeps: u32,
+}
+
 #[derive(Debug, Default)]
 struct WorkerSlots {
-    blocks: Map<u64, u32>,
+    blocks: Map<u64, Held>,
     prefill_tokens: u64,
     requests: u64,
+}
+
+impl WorkerSlots {
+    /// Adds a request's chain: the blocks past the held prefix, then its pins (returned).
+    /// One map insert per new block: a new block is inserted already kept once, for the
+    /// child that follows it or, for the last, the request's pin.
+    fn hold(&mut self, blocks: &[u64]) -> SmallVec<[u64; 1]> {
+        let mut pins = SmallVec::new();
+        let h = held_prefix(blocks, &self.blocks);
+        let mut parent = h.checked_sub(1).map(|i| blocks[i]);
+        // Whether `parent` was inserted by this call (and so holds a provisional keep).
+        let mut parent_new = false;
+        self.blocks.reserve(blocks.len() - h);
+        for &b in &blocks[h..] {
+            match self.blocks.entry(b) {
+                Entry::Occupied(_) => {
+                    // Not a chain: b is held under another parent. What was built so far is
+                    // kept by a pin of its own (a new parent's provisional keep becomes it).
+                    match parent {
+                        Some(p) if parent_new => pins.push(p),
+                        Some(p) => self.pin(p, &mut pins),
+                        None => {}
+                    }
+                    parent_new = false;
+                }
+                Entry::Vacant(e) => {
+                    e.insert(Held {
+                        parent: parent.unwrap_or(0),
+                        has_parent: parent.is_some(),
+                        keeps: 1,
+                    });
+                    // A new parent's provisional keep is this child; a held one gains it.
+                    if !parent_new
+                        && let Some(p) = parent
+                        && let Some(ph) = self.blocks.get_mut(&p)
+                    {
+                        ph.keeps += 1;
+                    }
+                    parent_new = true;
+                }
+            }
+            parent = Some(b);
+        }
+        match parent {
+            Some(last) if parent_new => pins.push(last),
+            Some(last) => self.pin(last, &mut pins),
+            None => {}
+        }
+        pins
+    }
+
+    fn pin(&mut self, b: u64, pins: &mut SmallVec<[u64; 1]>) {
+        if let Some(h) = self.blocks.get_mut(&b) {
+            h.keeps += 1;
+            pins.push(b);
+        }
+    }
+
+    /// Undoes [`Self::hold`] for a request whose prompt was `blocks`: unpins each pin and
+    /// removes blocks upward while nothing keeps them. The last pin is the prompt's last
+    /// block, and for a chain the blocks above it are the prompt's own in reverse: they
+    /// are walked from the list (whose next key is known before the current lookup ends,
+    /// so the lookups overlap) rather than from each removed block's parent.
+    fn release(&mut self, pins: &[u64], blocks: &[u64]) {
+        let Some((&last, others)) = pins.split_last() else {
+            return;
+        };
+        for &pin in others {
+            self.unkeep_from(pin);
+        }
+        debug_assert_eq!(blocks.last(), Some(&last));
+        let mut i = blocks.len();
+        while i > 0 {
+            i -= 1;
+            let Entry::Occupied(mut e) = self.blocks.entry(blocks[i]) else {
+                debug_assert!(false, "a kept block is held");
+                break;
+            };
+            let h = e.get_mut();
+            debug_assert!(h.keeps > 0, "a held block is kept");
+            h.keeps = h.keeps.saturating_sub(1);
+            if h.keeps > 0 {
+                break;
+            }
+            let h = e.remove();
+            if !h.has_parent {
+                break;
+            }
+            if i == 0 || blocks[i - 1] != h.parent {
+                // Not the prompt's own parent (not a chain): follow the stored one.
+                self.unkeep_from(h.parent);
+                break;
+            }
+        }
+    }
+
+    /// Drops one keep of block `b`, and upward from it while nothing keeps a block.
+    fn unkeep_from(&mut self, mut b: u64) {
+        loop {
+            let Entry::Occupied(mut e) = self.blocks.entry(b) else {
+                debug_assert!(false, "a kept block is held");
+                return;
+            };
+            let h = e.get_mut();
+            debug_assert!(h.keeps > 0, "a held block is kept");
+            h.keeps = h.keeps.saturating_sub(1);
+            if h.keeps > 0 {
+                return;
+            }
+            let h = e.remove();
+            if !h.has_parent {
+                return;
+            }
+            b = h.parent;
+        }
+    }
+
+    /// Shrinks a map that held a huge load.
+    fn shrink(&mut self) {
+        // A map that held a huge load keeps no more than four times what it holds now
+        // (amortised: half its entries go between two shrinks), so that its memory follows
+        // the load instead of its high-water mark.
+        let (len, cap) = (self.blocks.len(), self.blocks.capacity());
+        if cap > KEEP_IDLE_CAPACITY && len < cap / 4 {
+            self.blocks.shrink_to(len * 2);
+        }
+    }
 }
 
 #[derive(Debug)]
 struct Active {
     worker: WorkerDp,
+    /// The blocks its prompt named (what the budget counts, and what release walks).
     blocks: Vec<u64>,
+    /// Its pins in its worker's held tree (usually one: its last block).
+    pins: SmallVec<[u64; 1]>,
     prefill_tokens: u64,
     last_ms: u64,
     /// Order of its add (the key in [`Slots::holding`] while it holds blocks).
@@ -99,8 +252,9 @@ pub struct Slots {
     worker_cap: u64,
     /// Workers with `worker_cap` or more active requests.
     full: usize,
-    /// Blocks of all active requests together (a block shared by two requests counts
-    /// twice: this is what their lists hold).
+    /// Blocks of all active requests together, as their prompts named them (a block shared
+    /// by two requests counts twice): what the budget bounds. The memory held is less: one
+    /// entry per distinct block per worker, nothing per request beyond its pins.
     held_blocks: u64,
     /// Most `held_blocks` before the oldest requests are shed.
     block_budget: u64,
@@ -113,7 +267,7 @@ pub struct Slots {
 
 /// The length of the longest prefix of `blocks` (a chain of sequence hashes) that `held`
 /// holds, assuming what it holds is prefix-closed (see the [module docs](self)).
-fn held_prefix(blocks: &[u64], held: &Map<u64, u32>) -> usize {
+fn held_prefix(blocks: &[u64], held: &Map<u64, Held>) -> usize {
     if held.is_empty() {
         return 0;
     }
@@ -176,12 +330,14 @@ impl Slots {
                 debug_assert!(false, "a holding request is active");
                 continue;
             };
+            let pins = std::mem::take(&mut r.pins);
             let blocks = std::mem::take(&mut r.blocks);
             let worker = r.worker;
             self.held_blocks -= blocks.len() as u64;
             self.shed_requests += 1;
             if let Some(w) = self.workers.get_mut(&worker) {
-                Self::release_blocks(w, &blocks);
+                w.release(&pins, &blocks);
+                w.shrink();
             }
         }
     }
@@ -229,10 +385,7 @@ impl Slots {
             self.holding.insert(seq, request_id.into());
         }
         let w = self.workers.entry(worker).or_default();
-        w.blocks.reserve(blocks.len());
-        for &b in &blocks {
-            *w.blocks.entry(b).or_insert(0) += 1;
-        }
+        let pins = w.hold(&blocks);
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
         if w.requests == self.worker_cap {
@@ -244,6 +397,7 @@ impl Slots {
             Active {
                 worker,
                 blocks,
+                pins,
                 prefill_tokens,
                 last_ms: now_ms,
                 seq,
@@ -282,24 +436,6 @@ impl Slots {
         Ok(r.worker)
     }
 
-    fn release_blocks(w: &mut WorkerSlots, blocks: &[u64]) {
-        for &b in blocks {
-            if let Entry::Occupied(mut e) = w.blocks.entry(b) {
-                *e.get_mut() -= 1;
-                if *e.get() == 0 {
-                    e.remove();
-                }
-            }
-        }
-        // A map that held a huge load keeps no more than four times what it holds now
-        // (amortised: half its entries go between two shrinks), so that its memory follows
-        // the load instead of its high-water mark.
-        let (len, cap) = (w.blocks.len(), w.blocks.capacity());
-        if cap > KEEP_IDLE_CAPACITY && len < cap / 4 {
-            w.blocks.shrink_to(len * 2);
-        }
-    }
-
     fn release(&mut self, r: &Active) {
         if !r.blocks.is_empty() {
             self.held_blocks -= r.blocks.len() as u64;
@@ -308,7 +444,8 @@ impl Slots {
         let Some(w) = self.workers.get_mut(&r.worker) else {
             return;
         };
-        Self::release_blocks(w, &r.blocks);
+        w.release(&r.pins, &r.blocks);
+        w.shrink();
         w.prefill_tokens -= r.prefill_tokens;
         if w.requests == self.worker_cap {
             self.full -= 1;
@@ -362,8 +499,8 @@ impl Slots {
         self.holding.retain(|_, id| requests.contains_key(id));
     }
 
-    /// Blocks the active requests hold in all (each request's whole list: what memory
-    /// they pin).
+    /// Blocks the active requests hold in all (each request's whole list, shared blocks
+    /// once per request: what the budget bounds).
     pub fn held_blocks(&self) -> u64 {
         self.held_blocks
     }
@@ -457,8 +594,124 @@ impl Slots {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const A: WorkerDp = WorkerDp::new(1, 0);
+
+    #[derive(Debug, Clone)]
+    enum SlotOp {
+        /// A request on worker `w` whose prompt is `path` (as a chain, or as the raw
+        /// symbols, which is no chain).
+        Add { w: u8, path: Vec<u8>, chain: bool },
+        /// Frees the `i`-th active request (modulo their number).
+        Free { i: usize },
+        /// Expires every request older than `age`.
+        Expire { age: u64 },
+    }
+
+    fn slot_op() -> impl Strategy<Value = SlotOp> {
+        prop_oneof![
+            6 => (0..3u8, proptest::collection::vec(0..3u8, 0..10), proptest::bool::weighted(0.85))
+                .prop_map(|(w, path, chain)| SlotOp::Add { w, path, chain }),
+            4 => any::<usize>().prop_map(|i| SlotOp::Free { i }),
+            1 => (0..20u64).prop_map(|age| SlotOp::Expire { age }),
+        ]
+    }
+
+    fn hashes(path: &[u8], chain: bool) -> Vec<u64> {
+        if !chain {
+            // Distinct, but named by symbol and position only: the same name appears under
+            // different parents across requests.
+            return path
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| 1000 + (i as u64 % 3) * 10 + s as u64)
+                .collect();
+        }
+        let l: Vec<crate::hash::LocalBlockHash> = path
+            .iter()
+            .map(|&s| crate::hash::LocalBlockHash(s as u64 + 1))
+            .collect();
+        crate::hash::sequence_hashes(&l)
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// With chains, each worker's active blocks are exactly the union of its live
+        /// requests' blocks (shed requests hold none); with any input, the budget's count is
+        /// the sum of live lists and releasing everything leaves nothing held.
+        #[test]
+        fn prefix_counting_is_the_union_of_live_requests(
+            ops in proptest::collection::vec(slot_op(), 1..80),
+            budget in prop_oneof![Just(u64::MAX), 4..40u64],
+        ) {
+            let mut s = Slots::new(5);
+            s.set_block_budget(budget);
+            // The model: id -> (worker, blocks, chain, added at).
+            let mut live: Vec<(String, WorkerDp, Vec<u64>, bool, u64)> = Vec::new();
+            let mut all_chains = true;
+            for (now, op) in ops.iter().enumerate() {
+                let now = now as u64;
+                match op {
+                    SlotOp::Add { w, path, chain } => {
+                        let id = format!("r{now}");
+                        let worker = WorkerDp::new(*w as u64 + 1, 0);
+                        let blocks = hashes(path, *chain);
+                        let mut d = blocks.clone();
+                        d.sort_unstable();
+                        d.dedup();
+                        if d.len() != blocks.len() {
+                            continue;
+                        }
+                        all_chains &= *chain;
+                        s.add(&id, worker, blocks.clone(), 10, now).unwrap();
+                        live.push((id, worker, blocks, *chain, now));
+                    }
+                    SlotOp::Free { i } => {
+                        if !live.is_empty() {
+                            let (id, ..) = live.remove(i % live.len());
+                            s.free(&id).unwrap();
+                        }
+                    }
+                    SlotOp::Expire { age } => {
+                        s.stale_after_ms = *age;
+                        s.expire(now);
+                        live.retain(|r| now.saturating_sub(r.4) <= *age);
+                    }
+                }
+                let held: Vec<&(String, WorkerDp, Vec<u64>, bool, u64)> = live
+                    .iter()
+                    .filter(|r| s.requests.get(&r.0).is_some_and(|a| !a.blocks.is_empty()))
+                    .collect();
+                prop_assert_eq!(
+                    s.held_blocks(),
+                    held.iter().map(|r| r.2.len() as u64).sum::<u64>()
+                );
+                if all_chains {
+                    for w in 1..=3u64 {
+                        let w = WorkerDp::new(w, 0);
+                        let mut union: Vec<u64> = held
+                            .iter()
+                            .filter(|r| r.1 == w)
+                            .flat_map(|r| r.2.iter().copied())
+                            .collect();
+                        union.sort_unstable();
+                        union.dedup();
+                        prop_assert_eq!(s.load(w).active_blocks, union.len() as u64, "{:?}", op);
+                    }
+                }
+            }
+            for (id, ..) in live {
+                s.free(&id).unwrap();
+            }
+            prop_assert!(s.workers.values().all(|w| w.blocks.is_empty()));
+            prop_assert_eq!(s.held_blocks(), 0);
+        }
+    }
 
     #[test]
     fn candidates_combine_loads_and_overlaps() {
