@@ -38,9 +38,7 @@ pub trait Lookup {
 
     /// Whether any worker holds blocks on a lower tier (when not, tier overlaps are all
     /// zero and need not be asked for).
-    fn has_lower_tiers(&self) -> bool {
-        false
-    }
+    fn has_lower_tiers(&self) -> bool;
 
     /// Writes how far each worker's lower tiers continue `query` past its device score
     /// ([`crate::index::tiers`]); `paths` are the query's path hashes.
@@ -50,10 +48,7 @@ pub trait Lookup {
         paths: &[u64],
         device: &OverlapScores,
         out: &mut TierScores,
-    ) {
-        let _ = (query, paths, device);
-        out.clear();
-    }
+    );
 }
 
 impl Lookup for TreeReader {

@@ -159,10 +159,11 @@ impl WorkerSlots {
     }
 
     /// Undoes [`Self::hold`] for a request whose prompt was `blocks`: unpins each pin and
-    /// removes blocks upward while nothing keeps them. The last pin is the prompt's last
-    /// block, and for a chain the blocks above it are the prompt's own in reverse: they
-    /// are walked from the list (whose next key is known before the current lookup ends,
-    /// so the lookups overlap) rather than from each removed block's parent.
+    /// removes blocks upward while nothing keeps them, then shrinks a map that held a huge
+    /// load. The last pin is the prompt's last block, and for a chain the blocks above it
+    /// are the prompt's own in reverse: they are walked from the list (whose next key is
+    /// known before the current lookup ends, so the lookups overlap) rather than from each
+    /// removed block's parent.
     fn release(&mut self, pins: &[u64], blocks: &[u64]) {
         let Some((&last, others)) = pins.split_last() else {
             return;
@@ -171,54 +172,17 @@ impl WorkerSlots {
             self.unkeep_from(pin);
         }
         debug_assert_eq!(blocks.last(), Some(&last));
-        let mut i = blocks.len();
-        while i > 0 {
-            i -= 1;
-            let Entry::Occupied(mut e) = self.blocks.entry(blocks[i]) else {
-                debug_assert!(false, "a kept block is held");
-                break;
-            };
-            let h = e.get_mut();
-            debug_assert!(h.keeps > 0, "a held block is kept");
-            h.keeps = h.keeps.saturating_sub(1);
-            if h.keeps > 0 {
-                break;
-            }
-            let h = e.remove();
-            if !h.has_parent {
-                break;
-            }
-            if i == 0 || blocks[i - 1] != h.parent {
-                // Not the prompt's own parent (not a chain): follow the stored one.
-                self.unkeep_from(h.parent);
-                break;
+        for i in (0..blocks.len()).rev() {
+            match self.unkeep(blocks[i]) {
+                None => break,
+                Some(p) if i > 0 && blocks[i - 1] == p => {}
+                Some(p) => {
+                    // Not the prompt's own parent (not a chain): follow the stored one.
+                    self.unkeep_from(p);
+                    break;
+                }
             }
         }
-    }
-
-    /// Drops one keep of block `b`, and upward from it while nothing keeps a block.
-    fn unkeep_from(&mut self, mut b: u64) {
-        loop {
-            let Entry::Occupied(mut e) = self.blocks.entry(b) else {
-                debug_assert!(false, "a kept block is held");
-                return;
-            };
-            let h = e.get_mut();
-            debug_assert!(h.keeps > 0, "a held block is kept");
-            h.keeps = h.keeps.saturating_sub(1);
-            if h.keeps > 0 {
-                return;
-            }
-            let h = e.remove();
-            if !h.has_parent {
-                return;
-            }
-            b = h.parent;
-        }
-    }
-
-    /// Shrinks a map that held a huge load.
-    fn shrink(&mut self) {
         // A map that held a huge load keeps no more than four times what it holds now
         // (amortised: half its entries go between two shrinks), so that its memory follows
         // the load instead of its high-water mark.
@@ -226,6 +190,31 @@ impl WorkerSlots {
         if cap > KEEP_IDLE_CAPACITY && len < cap / 4 {
             self.blocks.shrink_to(len * 2);
         }
+    }
+
+    /// Drops one keep of block `b`, and upward from it while nothing keeps a block.
+    fn unkeep_from(&mut self, b: u64) {
+        let mut next = Some(b);
+        while let Some(b) = next {
+            next = self.unkeep(b);
+        }
+    }
+
+    /// Drops one keep of block `b`; when nothing keeps it any more it is removed, and its
+    /// parent (which loses a keep in turn) is returned.
+    fn unkeep(&mut self, b: u64) -> Option<u64> {
+        let Entry::Occupied(mut e) = self.blocks.entry(b) else {
+            debug_assert!(false, "a kept block is held");
+            return None;
+        };
+        let h = e.get_mut();
+        debug_assert!(h.keeps > 0, "a held block is kept");
+        h.keeps = h.keeps.saturating_sub(1);
+        if h.keeps > 0 {
+            return None;
+        }
+        let h = e.remove();
+        h.has_parent.then_some(h.parent)
     }
 }
 
@@ -337,7 +326,6 @@ impl Slots {
             self.shed_requests += 1;
             if let Some(w) = self.workers.get_mut(&worker) {
                 w.release(&pins, &blocks);
-                w.shrink();
             }
         }
     }
@@ -445,7 +433,6 @@ impl Slots {
             return;
         };
         w.release(&r.pins, &r.blocks);
-        w.shrink();
         w.prefill_tokens -= r.prefill_tokens;
         if w.requests == self.worker_cap {
             self.full -= 1;

@@ -224,6 +224,16 @@ fn tier_code(t: StorageTier) -> u32 {
     }
 }
 
+/// The lower tier a LOWER record's code names (`None` for the device or no tier).
+fn lower_tier(code: u32) -> Option<StorageTier> {
+    match code {
+        1 => Some(StorageTier::HostPinned),
+        2 => Some(StorageTier::Disk),
+        3 => Some(StorageTier::External),
+        _ => None,
+    }
+}
+
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -594,7 +604,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
                 format!("worker index {wi} out of range"),
             ));
         }
-        if !(1..=3).contains(&tier) {
+        if lower_tier(tier).is_none() {
             return Err(malformed("lower tiers", format!("tier {tier}")));
         }
     }
@@ -642,25 +652,20 @@ impl<'a> SnapshotView<'a> {
 
     /// The lower-tier blocks, in file order.
     pub fn lower(&self) -> impl Iterator<Item = LowerRecord> + '_ {
-        self.lower.chunks_exact(LOWER_LEN).map(|r| {
-            // Validated by `parse`: whole records, a worker index in range, a lower tier.
-            let u32_at = |i: usize| u32::from_le_bytes([r[i], r[i + 1], r[i + 2], r[i + 3]]);
-            let u64_at = |i: usize| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(&r[i..i + 8]);
-                u64::from_le_bytes(a)
-            };
-            let tier = match u32_at(4) {
-                1 => StorageTier::HostPinned,
-                2 => StorageTier::Disk,
-                _ => StorageTier::External,
-            };
-            LowerRecord {
-                worker: self.workers[u32_at(0) as usize].worker,
-                tier,
-                name: u64_at(8),
-                path: u64_at(16),
+        let mut c = Cursor::new(self.lower, "lower tiers");
+        std::iter::from_fn(move || {
+            if c.remaining() == 0 {
+                return None;
             }
+            // Validated by `parse`: whole records, a worker index in range, a lower tier.
+            let worker = self.workers[c.u32().ok()? as usize].worker;
+            let tier = lower_tier(c.u32().ok()?)?;
+            Some(LowerRecord {
+                worker,
+                tier,
+                name: c.u64().ok()?,
+                path: c.u64().ok()?,
+            })
         })
     }
 

@@ -338,13 +338,7 @@ fn tiered(index: &dyn Lookup, q: &[LocalBlockHash]) -> Vec<(WorkerDp, u32, TierO
     index.find_matches_into(q, &mut device);
     let mut tiers = TierScores::new();
     index.tier_overlaps_into(q, &paths, &device, &mut tiers);
-    let mut out: Vec<(WorkerDp, u32, TierOverlap)> =
-        device.iter().map(|(w, d)| (w, d, tiers.get(w))).collect();
-    for &(w, t) in tiers.as_slice() {
-        if device.get(w) == 0 {
-            out.push((w, 0, t));
-        }
-    }
+    let mut out: Vec<(WorkerDp, u32, TierOverlap)> = tiers.with_device(&device).collect();
     out.sort_by_key(|e| e.0);
     out
 }

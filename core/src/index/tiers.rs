@@ -131,6 +131,21 @@ impl TierScores {
     pub fn is_empty(&self) -> bool {
         self.scores.is_empty()
     }
+
+    /// Every worker with a device or a lower-tier overlap, with both: first those of
+    /// `device` in its order, then those whose match starts on a lower tier.
+    pub fn with_device<'a>(
+        &'a self,
+        device: &'a OverlapScores,
+    ) -> impl Iterator<Item = (WorkerDp, u32, TierOverlap)> + 'a {
+        let on_device = device.iter().map(|(w, d)| (w, d, self.get(w)));
+        let lower_only = self
+            .scores
+            .iter()
+            .filter(|&&(w, _)| device.get(w) == 0)
+            .map(|&(w, t)| (w, 0, t));
+        on_device.chain(lower_only)
+    }
 }
 
 /// One shard's lower tiers (see the [module docs](self)).

@@ -14,7 +14,7 @@ use kvrouter_core::event::{KvEventData, RouterEvent};
 use kvrouter_core::index::tree::{ShardMap, ShardWriter};
 use kvrouter_core::index::{ApplyError, WorkerSummary};
 use kvrouter_core::recovery::{EventIds, Verdict};
-use kvrouter_core::snapshot::{LowerRecord, WorkerRecord};
+use kvrouter_core::snapshot::WorkerRecord;
 use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
 use super::counters::{AllCounters, IngestStats, PUBLISH_EVERY, Summaries};
@@ -199,7 +199,6 @@ impl ShardCore {
             events: Vec::new(),
             lower: Vec::new(),
         };
-        let mut lower = Vec::new();
         // Once a stop is taken (or was already waiting), everything after it waits too.
         let mut stop = self.deferred.iter().any(|c| matches!(c, ShardCmd::Stop));
         let listed: Vec<(WorkerDp, Option<u64>, Option<u64>)> = self
@@ -254,15 +253,7 @@ impl ShardCore {
                 heartbeat_ms: heartbeat.unwrap_or(0),
             });
             self.writer.dump_worker(w, &mut part.events);
-            lower.clear();
-            self.writer.dump_lower_worker(w, &mut lower);
-            part.lower
-                .extend(lower.iter().map(|&(tier, name, path)| LowerRecord {
-                    worker: w,
-                    tier,
-                    name,
-                    path,
-                }));
+            self.writer.dump_lower_worker(w, &mut part.lower);
         }
         part
     }

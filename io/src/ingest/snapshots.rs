@@ -99,7 +99,7 @@ pub(super) fn restore(
     let mut lower_blocks = 0u64;
     for r in view.lower() {
         let w = map.shard_of(r.worker.worker_id);
-        if writers[w].restore_lower(r.worker, r.tier, r.name, r.path) {
+        if writers[w].restore_lower(&r) {
             lower_blocks += 1;
         }
     }

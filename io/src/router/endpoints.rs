@@ -284,31 +284,16 @@ impl State {
         let now = self.now_ms();
         let index = Self::index(&self.ingest, self.cfg.kv_events);
         let (device, tiers) = self.decider.tier_overlaps(index, &locals, None, now);
-        let mut list: Vec<OverlapEntry> = device
-            .iter()
-            .map(|(w, blocks)| {
-                let t = tiers.get(w);
-                OverlapEntry {
-                    worker_id: w.worker_id,
-                    dp_rank: w.dp_rank,
-                    blocks,
-                    host_blocks: t.host,
-                    disk_blocks: t.disk,
-                }
+        let list: Vec<OverlapEntry> = tiers
+            .with_device(device)
+            .map(|(w, blocks, t)| OverlapEntry {
+                worker_id: w.worker_id,
+                dp_rank: w.dp_rank,
+                blocks,
+                host_blocks: t.host,
+                disk_blocks: t.disk,
             })
             .collect();
-        // Workers whose match starts on a lower tier (no device block of the request).
-        for &(w, t) in tiers.as_slice() {
-            if device.get(w) == 0 {
-                list.push(OverlapEntry {
-                    worker_id: w.worker_id,
-                    dp_rank: w.dp_rank,
-                    blocks: 0,
-                    host_blocks: t.host,
-                    disk_blocks: t.disk,
-                });
-            }
-        }
         Response::json(
             200,
             serde_json::to_vec(&serde_json::json!({ "overlaps": list })).unwrap_or_default(),

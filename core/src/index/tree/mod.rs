@@ -98,8 +98,9 @@ pub use writer::ShardWriter;
 use super::{ApplyError, ApplyOutcome, Index, OverlapScores, TierScores, WorkerSummary};
 use crate::event::RouterEvent;
 use crate::hash::{LocalBlockHash, local_hashes_as_u64};
+use crate::snapshot::LowerRecord;
 use crate::sync::Ordering;
-use crate::worker::{StorageTier, WorkerDp, WorkerId};
+use crate::worker::{WorkerDp, WorkerId};
 
 /// Which shard owns each worker. A worker gets a shard the first time it is asked for —
 /// the shard that then has the fewest live workers, the lowest such on ties (round-robin by
@@ -273,34 +274,37 @@ impl ShardWriter {
         self.dump_worker_in(worker, events, &crossbeam_epoch::pin())
     }
 
-    /// Appends one (worker, dp rank)'s lower-tier blocks to `out` as `(tier, engine name,
-    /// path hash)`, the form a snapshot keeps them in ([`crate::index::tiers`]).
-    pub fn dump_lower_worker(&self, worker: WorkerDp, out: &mut Vec<(StorageTier, u64, u64)>) {
+    /// Appends one (worker, dp rank)'s lower-tier blocks to `out`, as a snapshot keeps them
+    /// (engine name and path hash, [`crate::index::tiers`]).
+    pub fn dump_lower_worker(&self, worker: WorkerDp, out: &mut Vec<LowerRecord>) {
         let lower = self
             .shared()
             .lower
             .read()
             .unwrap_or_else(PoisonError::into_inner);
-        out.extend(lower.blocks_of_worker(worker));
+        out.extend(
+            lower
+                .blocks_of_worker(worker)
+                .map(|(tier, name, path)| LowerRecord {
+                    worker,
+                    tier,
+                    name,
+                    path,
+                }),
+        );
     }
 
     /// Places a lower-tier block as [`Self::dump_lower_worker`] gave it, for a worker this
     /// shard knows; returns whether it was placed (not for the device tier, nor for an
     /// unknown worker).
-    pub fn restore_lower(
-        &mut self,
-        worker: WorkerDp,
-        tier: StorageTier,
-        name: u64,
-        path: u64,
-    ) -> bool {
-        let Some(t) = crate::index::tiers::lower_index(tier) else {
+    pub fn restore_lower(&mut self, r: &LowerRecord) -> bool {
+        let Some(t) = crate::index::tiers::lower_index(r.tier) else {
             return false;
         };
-        if self.summary_of(worker).is_none() {
+        if self.summary_of(r.worker).is_none() {
             return false;
         }
-        self.with_lower(|l| l.restore(worker, t, name, path))
+        self.with_lower(|l| l.restore(r.worker, t, r.name, r.path))
     }
 }
 
