@@ -15,6 +15,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 
+/// Whether to count. `Relaxed` on both sides: it pairs with no other memory, and a thread
+/// that sees it late only leaves a few allocations of its own uncounted (a replay enables
+/// it before it loads its log, and reads counts only as differences after that).
 static ON: AtomicBool = AtomicBool::new(false);
 
 #[repr(align(128))]

@@ -19,10 +19,10 @@
 //! start, end and peak. RSS that is the same at the end of both hostile phases is flat: what
 //! hostile clients pin is bounded.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::ffi::OsStr;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::perf::percentile;
-use crate::route::{request, request_with};
+use crate::route::{Served, free_routed, request, request_with, serve};
 
 /// Settings of one soak.
 #[derive(Debug, Clone)]
@@ -238,15 +238,7 @@ fn small_client(
             continue;
         }
         lat.push(took);
-        let v: serde_json::Value = serde_json::from_slice(&answer)?;
-        let id = v["request_id"].as_str().unwrap_or_default().to_owned();
-        request(
-            &mut stream,
-            &mut buf,
-            "POST",
-            &format!("/v1/requests/{id}/free"),
-            "",
-        )?;
+        free_routed(&mut stream, &mut buf, &answer)?;
     }
     Ok((lat, failures))
 }
@@ -416,53 +408,28 @@ fn flood(addr: SocketAddr, n: usize, stop: &AtomicBool, s: &Shared) {
     }
 }
 
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_server(kvrouter: &Path, nats: &str, cfg: &HostileConfig) -> anyhow::Result<Server> {
+fn start_server(kvrouter: &Path, nats: &str, cfg: &HostileConfig) -> anyhow::Result<Served> {
     let workers: Vec<String> = (1..=cfg.workers).map(|w| w.to_string()).collect();
-    let mut child = Command::new(kvrouter)
-        .args(["serve", "--nats", nats, "--listen", "127.0.0.1:0"])
-        .args(["--replica-sync", "false", "--snapshot-on-stop", "false"])
-        .args(["--snapshot-interval-secs", "0"])
-        .args(["--workers", &workers.join(",")])
-        .args(["--max-connections", &cfg.max_connections.to_string()])
-        .args(["--max-active-blocks", &cfg.max_active_blocks.to_string()])
-        .args(["--max-request-blocks", &cfg.huge_blocks.to_string()])
-        .args([
-            "--header-timeout-secs",
-            &cfg.header_timeout_secs.to_string(),
-        ])
-        .env("KVROUTER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {}", kvrouter.display()))?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
-    let addr = line
-        .trim()
-        .rsplit("http://")
-        .next()
-        .context("no address in the banner")?
-        .parse()?;
-    Ok(Server { child, addr })
+    let flags = [
+        ("--workers", workers.join(",")),
+        ("--max-connections", cfg.max_connections.to_string()),
+        ("--max-active-blocks", cfg.max_active_blocks.to_string()),
+        ("--max-request-blocks", cfg.huge_blocks.to_string()),
+        ("--header-timeout-secs", cfg.header_timeout_secs.to_string()),
+    ];
+    let extra: Vec<&OsStr> = flags
+        .iter()
+        .flat_map(|(k, v)| [OsStr::new(k), OsStr::new(v)])
+        .collect();
+    serve(kvrouter, nats, &extra)
 }
 
 /// Runs the soak against a fresh `kvrouter serve` (the binary at `kvrouter`, its NATS at
 /// `nats`).
 pub fn run(kvrouter: &Path, nats: &str, cfg: &HostileConfig) -> anyhow::Result<HostileReport> {
     let server = start_server(kvrouter, nats, cfg)?;
-    let (addr, pid) = (server.addr, server.child.id());
+    let addr: SocketAddr = server.addr.parse().context("the server's address")?;
+    let pid = server.child.id();
     let shared = Arc::new(Shared::default());
     let mut phases = Vec::new();
     type Hostile = fn(SocketAddr, &HostileConfig, &AtomicBool, &Shared);

@@ -6,13 +6,11 @@
 //! writer ([`SnapshotStore`]); the process is started with `--snapshot-dir`, and the clock
 //! stops when `/healthz` answers 200 and `/v1/workers` reports every block.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use kvrouter_core::event::{KvCacheEvent, RouterEvent};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
 use kvrouter_core::index::{Index, TreeIndex};
@@ -21,7 +19,7 @@ use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::snapshot::{MappedSnapshot, SnapshotStore};
 use serde::Serialize;
 
-use crate::route::request;
+use crate::route::{request, serve};
 
 /// What one recovery measurement found.
 #[derive(Debug, Clone, Serialize)]
@@ -143,29 +141,17 @@ pub fn run(
         drop(writers);
         // A fresh process.
         let t = Instant::now();
-        let mut child = Command::new(kvrouter)
-            .args(["serve", "--nats", nats, "--listen", "127.0.0.1:0"])
-            .args(["--replica-sync", "false", "--snapshot-on-stop", "false"])
-            .args(["--snapshot-interval-secs", "0", "--snapshot-dir"])
-            .arg(dir)
-            .env("KVROUTER_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", kvrouter.display()))?;
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
-        let addr = line
-            .trim()
-            .rsplit("http://")
-            .next()
-            .context("no address in the banner")?
-            .to_owned();
+        let server = serve(
+            kvrouter,
+            nats,
+            &["--snapshot-dir".as_ref(), dir.as_os_str()],
+        )?;
+        let addr = &server.addr;
         let serving = loop {
             let healthy =
-                get(&addr, "/healthz").is_some_and(|b| b.starts_with(b"{\"status\":\"ok\""));
+                get(addr, "/healthz").is_some_and(|b| b.starts_with(b"{\"status\":\"ok\""));
             if healthy {
-                let body = get(&addr, "/v1/workers").unwrap_or_default();
+                let body = get(addr, "/v1/workers").unwrap_or_default();
                 let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
                 let held: u64 = v["workers"]
                     .as_array()
@@ -176,13 +162,11 @@ pub fn run(
                 }
             }
             if t.elapsed().as_secs() > 60 {
-                let _ = child.kill();
                 bail!("not serving after 60 s");
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         };
-        let _ = child.kill();
-        let _ = child.wait();
+        drop(server);
         let r = RecoveryReport {
             blocks: total,
             workers: records.len(),

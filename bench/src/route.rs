@@ -7,8 +7,12 @@
 //! * **closed loop** (`--rate 0`): the maximum sustained routes/s with `connections`
 //!   connections.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use anyhow::Context;
 use std::time::{Duration, Instant};
 
 use kvrouter_core::index::{Index, TreeIndex};
@@ -94,6 +98,67 @@ pub(crate) fn request_with(
     }
 }
 
+/// Frees, on the same connection, the request a `/v1/route` answer names.
+pub(crate) fn free_routed(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    answer: &[u8],
+) -> anyhow::Result<()> {
+    let v: serde_json::Value = serde_json::from_slice(answer)?;
+    let id = v["request_id"].as_str().unwrap_or_default();
+    request(stream, buf, "POST", &format!("/v1/requests/{id}/free"), "")?;
+    Ok(())
+}
+
+/// A `kvrouter serve` process of a benchmark, killed when dropped.
+pub(crate) struct Served {
+    pub(crate) child: Child,
+    /// `host:port` from its banner.
+    pub(crate) addr: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvrouter serve` (the binary at `kvrouter`) on a free loopback port with `nats`,
+/// without replica sync or snapshots of its own, plus `extra` flags; returns once its
+/// banner names the address.
+pub(crate) fn serve(
+    kvrouter: &Path,
+    nats: &str,
+    extra: &[&std::ffi::OsStr],
+) -> anyhow::Result<Served> {
+    let mut child = Command::new(kvrouter)
+        .args(["serve", "--nats", nats, "--listen", "127.0.0.1:0"])
+        .args(["--replica-sync", "false", "--snapshot-on-stop", "false"])
+        .args(["--snapshot-interval-secs", "0"])
+        .args(extra)
+        .env("KVROUTER_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", kvrouter.display()))?;
+    let stdout = child.stdout.take().context("stdout")?;
+    // Owned from here on: an early return kills it.
+    let mut served = Served {
+        child,
+        addr: String::new(),
+    };
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    served.addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .context("no address in the banner")?
+        .to_owned();
+    Ok(served)
+}
+
 /// Loads the log's events into an index, starts the routing API on it, and drives
 /// `/v1/route` for `duration`.
 pub fn run(
@@ -174,15 +239,7 @@ pub fn run(
                     let answer =
                         request_with(&mut stream, &mut buf, "POST", "/v1/route", &headers, body)?;
                     lat.push(t.elapsed().as_nanos() as u64);
-                    let v: serde_json::Value = serde_json::from_slice(&answer)?;
-                    let id = v["request_id"].as_str().unwrap_or_default().to_owned();
-                    request(
-                        &mut stream,
-                        &mut buf,
-                        "POST",
-                        &format!("/v1/requests/{id}/free"),
-                        "",
-                    )?;
+                    free_routed(&mut stream, &mut buf, &answer)?;
                 }
                 Ok(lat)
             })

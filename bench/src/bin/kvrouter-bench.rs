@@ -707,49 +707,37 @@ fn compare(
             med(vs, "heap_bytes_per_block"),
         );
     }
+    // Ours over Dynamo's `other` for key `k` of `runs` (printed; `None` where `other` did
+    // not run).
+    let ratio = |runs: &[(String, Vec<Value>)], other: &str, k: &str, what: &str| {
+        let get = |name: &str| {
+            runs.iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, vs)| med(vs, k))
+        };
+        let r = get("tree")? / get(other)?;
+        println!("tree / {other}: {what} x{r:.2}");
+        Some(r)
+    };
+    println!();
     let mut summary = Summary {
         log: log_s.clone(),
+        block_ops: ratio(&seq, "dynamo-radix", "block_ops_per_s", "block ops/s"),
+        heap_per_block: ratio(
+            &seq,
+            "dynamo-radix",
+            "heap_bytes_per_block",
+            "heap bytes per cached block",
+        ),
+        rss_per_block: ratio(
+            &seq,
+            "dynamo-radix",
+            "bytes_per_block",
+            "RSS bytes per cached block",
+        ),
+        find_p99: ratio(&seq, "dynamo-radix", "match_p99_ns", "find_matches p99"),
         ..Summary::default()
     };
-    let get = |name: &str, k: &str| {
-        seq.iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, vs)| med(vs, k))
-    };
-    if let (Some(t), Some(d)) = (
-        get("tree", "block_ops_per_s"),
-        get("dynamo-radix", "block_ops_per_s"),
-    ) {
-        println!("\ntree / dynamo-radix: block ops/s x{:.2}", t / d);
-        summary.block_ops = Some(t / d);
-        if let (Some(th), Some(dh)) = (
-            get("tree", "heap_bytes_per_block"),
-            get("dynamo-radix", "heap_bytes_per_block"),
-        ) {
-            println!(
-                "tree / dynamo-radix: heap bytes per cached block x{:.2}",
-                th / dh
-            );
-            summary.heap_per_block = Some(th / dh);
-        }
-        if let (Some(tb), Some(db)) = (
-            get("tree", "bytes_per_block"),
-            get("dynamo-radix", "bytes_per_block"),
-        ) {
-            println!(
-                "tree / dynamo-radix: RSS bytes per cached block x{:.2}",
-                tb / db
-            );
-            summary.rss_per_block = Some(tb / db);
-        }
-        if let (Some(tp), Some(dp)) = (
-            get("tree", "match_p99_ns"),
-            get("dynamo-radix", "match_p99_ns"),
-        ) {
-            println!("tree / dynamo-radix: find_matches p99 x{:.2}", tp / dp);
-            summary.find_p99 = Some(tp / dp);
-        }
-    }
     println!(
         "\n## Concurrent mode ({writers} writers, {readers} readers, {passes} passes over the events; median of {runs} runs)\n"
     );
@@ -768,29 +756,9 @@ fn compare(
             med(vs, "lookup_p999_ns"),
         );
     }
-    let cget = |name: &str, k: &str| {
-        conc.iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, vs)| med(vs, k))
-    };
-    if let (Some(t), Some(d)) = (
-        cget("tree", "event_blocks_per_s"),
-        cget("dynamo-crtc", "event_blocks_per_s"),
-    ) {
-        println!("\ntree / dynamo-crtc: event blocks/s x{:.2}", t / d);
-        summary.event_blocks = Some(t / d);
-        let (tl, dl) = (
-            cget("tree", "lookups_per_s").unwrap_or(0.0),
-            cget("dynamo-crtc", "lookups_per_s").unwrap_or(1.0),
-        );
-        println!("tree / dynamo-crtc: lookups/s x{:.2}", tl / dl);
-        summary.lookups = Some(tl / dl);
-        let (tp, dp) = (
-            cget("tree", "lookup_p99_ns").unwrap_or(0.0),
-            cget("dynamo-crtc", "lookup_p99_ns").unwrap_or(1.0),
-        );
-        println!("tree / dynamo-crtc: lookup p99 x{:.2}", tp / dp);
-        summary.lookup_p99 = Some(tp / dp);
-    }
+    println!();
+    summary.event_blocks = ratio(&conc, "dynamo-crtc", "event_blocks_per_s", "event blocks/s");
+    summary.lookups = ratio(&conc, "dynamo-crtc", "lookups_per_s", "lookups/s");
+    summary.lookup_p99 = ratio(&conc, "dynamo-crtc", "lookup_p99_ns", "lookup p99");
     Ok(summary)
 }

@@ -107,6 +107,16 @@ struct HostTier {
     lru: BTreeSet<(u64, u64)>,
 }
 
+impl HostTier {
+    /// Marks `seq` used at `clock` (held or not: it is then held).
+    fn touch(&mut self, seq: u64, clock: u64) {
+        if let Some(old) = self.blocks.insert(seq, clock) {
+            self.lru.remove(&(old, seq));
+        }
+        self.lru.insert((clock, seq));
+    }
+}
+
 /// A request inside an engine.
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
@@ -291,9 +301,7 @@ impl Engine {
     /// Copies an evicted device block into host memory, making room there first.
     fn offload(&mut self, seq: u64, b: Block, out: &mut Offloads) {
         self.clock += 1;
-        if let Some(&old) = self.host.blocks.get(&seq) {
-            self.host.lru.remove(&(old, seq));
-        } else {
+        if !self.host.blocks.contains_key(&seq) {
             while self.host.blocks.len() >= self.cfg.host_capacity_blocks {
                 let Some(&(stamp, victim)) = self.host.lru.iter().next() else {
                     break;
@@ -310,8 +318,7 @@ impl Engine {
                 out.live.insert(seq);
             }
         }
-        self.host.blocks.insert(seq, self.clock);
-        self.host.lru.insert((self.clock, seq));
+        self.host.touch(seq, self.clock);
     }
 
     /// Publishes what eviction did: host stores first (their parents are still on the
@@ -382,11 +389,7 @@ impl Engine {
             // evictions below offload anything there.
             for (_, s) in &r.blocks[hit..hit + onload] {
                 self.clock += 1;
-                if let Some(h) = self.host.blocks.get_mut(&s.0) {
-                    self.host.lru.remove(&(*h, s.0));
-                    *h = self.clock;
-                    self.host.lru.insert((self.clock, s.0));
-                }
+                self.host.touch(s.0, self.clock);
             }
             let mut removed = Vec::new();
             let mut off = Offloads::default();
@@ -425,18 +428,7 @@ impl Engine {
             if self.blocks.len() >= self.cfg.capacity_blocks {
                 break;
             }
-            self.clock += 1;
-            self.link_child(parent);
-            self.blocks.insert(
-                s.0,
-                Block {
-                    parent,
-                    local: l.0,
-                    children: 0,
-                    refs: 1,
-                    last_used: self.clock,
-                },
-            );
+            self.insert_in_use(parent, l, s);
             stored.push((l, s));
             parent = Some(s.0);
         }
@@ -450,8 +442,10 @@ impl Engine {
         n
     }
 
-    /// Counts a new child of `parent` (no longer an evictable leaf).
-    fn link_child(&mut self, parent: Option<u64>) {
+    /// Caches block `s` under `parent`, referenced by the request that brings it (so not
+    /// an evictable leaf); the parent gains a child (and is no leaf either).
+    fn insert_in_use(&mut self, parent: Option<u64>, l: LocalBlockHash, s: SequenceBlockHash) {
+        self.clock += 1;
         if let Some(p) = parent
             && let Some(pb) = self.blocks.get_mut(&p)
         {
@@ -460,6 +454,16 @@ impl Engine {
             }
             pb.children += 1;
         }
+        self.blocks.insert(
+            s.0,
+            Block {
+                parent,
+                local: l.0,
+                children: 0,
+                refs: 1,
+                last_used: self.clock,
+            },
+        );
     }
 
     /// Caches the request's new blocks (at prefill completion) and publishes them.
@@ -494,18 +498,7 @@ impl Engine {
                     None => break,
                 }
             }
-            self.clock += 1;
-            self.link_child(parent);
-            self.blocks.insert(
-                s.0,
-                Block {
-                    parent,
-                    local: l.0,
-                    children: 0,
-                    refs: 1,
-                    last_used: self.clock,
-                },
-            );
+            self.insert_in_use(parent, l, s);
             stored.push((l, s));
             parent = Some(s.0);
             held += 1;
