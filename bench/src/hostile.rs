@@ -31,7 +31,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::perf::percentile;
-use crate::route::{Served, free_routed, request, request_with, serve};
+use crate::route::{Served, free_routed, metrics_text, request, request_with, serve};
 
 /// Settings of one soak.
 #[derive(Debug, Clone)]
@@ -492,14 +492,7 @@ pub fn run(kvrouter: &Path, nats: &str, cfg: &HostileConfig) -> anyhow::Result<H
         phases.push(p);
     }
     let metrics = {
-        let mut stream = TcpStream::connect(addr)?;
-        let text = String::from_utf8(request(
-            &mut stream,
-            &mut Vec::new(),
-            "GET",
-            "/metrics",
-            "",
-        )?)?;
+        let text = metrics_text(addr)?;
         text.lines()
             .filter(|l| !l.starts_with('#'))
             .filter(|l| {

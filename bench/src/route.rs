@@ -98,6 +98,13 @@ pub(crate) fn request_with(
     }
 }
 
+/// The router's `/metrics` text, on a connection of its own.
+pub(crate) fn metrics_text(addr: impl std::net::ToSocketAddrs) -> anyhow::Result<String> {
+    let mut stream = TcpStream::connect(addr)?;
+    let body = request(&mut stream, &mut Vec::new(), "GET", "/metrics", "")?;
+    Ok(String::from_utf8(body)?)
+}
+
 /// Frees, on the same connection, the request a `/v1/route` answer names.
 pub(crate) fn free_routed(
     stream: &mut TcpStream,
@@ -254,14 +261,7 @@ pub fn run(
     }
     let elapsed = start.elapsed().as_secs_f64();
     // Server-side decision time (handler only, recent decisions), from /metrics.
-    let mut stream = TcpStream::connect(addr)?;
-    let metrics = String::from_utf8(request(
-        &mut stream,
-        &mut Vec::new(),
-        "GET",
-        "/metrics",
-        "",
-    )?)?;
+    let metrics = metrics_text(addr)?;
     let quantile = |q: &str| -> u64 {
         metrics
             .lines()
