@@ -9,8 +9,9 @@ use std::time::Instant;
 use kvrouter_core::codec::replica::{
     ActiveSequenceEvent, ActiveSequenceEventData, PrefillLoadHint,
 };
-use kvrouter_core::decision::{DecideError, Decider, Lookup, Route};
+use kvrouter_core::decision::{DecideError, Decider, Decision, Lookup, Route};
 use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes, sequence_hashes};
+use kvrouter_core::slots::SlotError;
 use kvrouter_core::worker::WorkerDp;
 use serde::Serialize;
 
@@ -62,7 +63,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Everything the API executor owns.
-pub(super) struct State {
+pub(crate) struct State {
     cfg: RouterConfig,
     ingest: Option<IngestView>,
     decider: Decider,
@@ -74,6 +75,8 @@ pub(super) struct State {
     pub(super) replica: Rc<super::replica::ReplicaStats>,
     times: DecisionTimes,
     replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
+    /// The OpenAI front's counters, when it runs (rendered in `/metrics` too).
+    pub(crate) proxy: Option<Rc<crate::proxy::ProxyStats>>,
     /// The candidates from the static list and the ingest, sorted, as of the ingest's
     /// membership `known_at`.
     known: Vec<WorkerDp>,
@@ -100,6 +103,7 @@ impl State {
             replica: Rc::default(),
             times: DecisionTimes::default(),
             replica_tx,
+            proxy: None,
             known: Vec::new(),
             known_at: None,
             from_ingest: Vec::new(),
@@ -211,27 +215,56 @@ impl State {
             Ok(v) => v,
             Err(r) => return r,
         };
-        let seqs: Vec<u64> = sequence_hashes(&locals).into_iter().map(|s| s.0).collect();
         let workers = self.known_workers();
+        let ask = Ask {
+            locals: &locals,
+            tokens,
+            request_id: input.request_id.as_deref(),
+            lora_name: input.lora_name,
+            explain: input.explain,
+        };
+        let d = match self.decide(ask, &workers) {
+            Ok(d) => d,
+            Err(e) => return self.refusal(&e),
+        };
+        let out = RouteOutput {
+            worker_id: d.worker.worker_id,
+            dp_rank: d.worker.dp_rank,
+            overlap_blocks: d.overlap_blocks,
+            request_id: d.request_id,
+            candidates: d.scored,
+        };
+        Response::json(200, serde_json::to_vec(&out).unwrap_or_default())
+    }
+
+    /// The one decision every front makes (`/v1/route`, the OpenAI proxy): `workers`
+    /// (sorted, distinct) are the candidates; the request becomes active on the worker
+    /// chosen and, with replica sync, the other replicas hear of it.
+    pub(crate) fn decide(
+        &mut self,
+        ask: Ask<'_>,
+        workers: &[WorkerDp],
+    ) -> Result<Decision, DecideError> {
+        let seqs: Vec<u64> = sequence_hashes(ask.locals)
+            .into_iter()
+            .map(|s| s.0)
+            .collect();
         // The replicas need their own copy of the blocks; without replica sync, no copy.
         let replicated = self.replica_tx.is_some().then(|| seqs.clone());
         let now = self.now_ms();
         let route = Route {
-            locals: &locals,
-            tokens,
-            request_id: input.request_id.as_deref(),
-            explain: input.explain,
+            locals: ask.locals,
+            tokens: ask.tokens,
+            request_id: ask.request_id,
+            explain: ask.explain,
         };
         let index = Self::index(&self.ingest, self.cfg.kv_events);
-        let d = match self.decider.decide(index, &workers, route, seqs, now) {
-            Ok(d) => d,
-            Err(e) => return self.refusal(&e),
-        };
+        let d = self.decider.decide(index, workers, route, seqs, now)?;
         if let Some(seqs) = replicated {
             self.replicate(
                 &d.request_id,
                 d.worker,
-                input.lora_name,
+                ask.lora_name,
                 ActiveSequenceEventData::AddRequest {
                     token_sequence: Some(seqs),
                     track_prefill_tokens: true,
@@ -244,18 +277,11 @@ impl State {
             );
         }
         self.counters.routes += 1;
-        let out = RouteOutput {
-            worker_id: d.worker.worker_id,
-            dp_rank: d.worker.dp_rank,
-            overlap_blocks: d.overlap_blocks,
-            request_id: d.request_id,
-            candidates: d.scored,
-        };
-        Response::json(200, serde_json::to_vec(&out).unwrap_or_default())
+        Ok(d)
     }
 
     /// The answer to a decision that was refused, counted by its cause.
-    fn refusal(&mut self, e: &DecideError) -> Response {
+    pub(crate) fn refusal(&mut self, e: &DecideError) -> Response {
         let c = &mut self.counters;
         match e {
             DecideError::NoWorkers => Response::error(503, e.to_string()).with_retry_after(1),
@@ -405,17 +431,7 @@ impl State {
                 Err(e) => Response::error(400, e),
             },
             ("GET", "/v1/workers") => self.workers_json(),
-            ("GET", "/metrics") => Response::text(
-                200,
-                metrics::render(
-                    &self.counters,
-                    &self.http,
-                    &self.replica,
-                    &self.times,
-                    self.decider.slots(),
-                    self.ingest.as_ref(),
-                ),
-            ),
+            ("GET", "/metrics") => Response::text(200, self.metrics_text()),
             ("GET", "/healthz") => {
                 if self.healthy() {
                     Response::json(200, br#"{"status":"ok"}"#.to_vec())
@@ -450,23 +466,107 @@ impl State {
 
     /// `first_token` or `free` of one request.
     fn request_update(&mut self, id: &str, action: &str) -> Response {
-        let now = self.now_ms();
-        let (result, data) = match action {
-            "first_token" => (
-                self.decider.first_token(id, now),
-                ActiveSequenceEventData::MarkPrefillCompleted,
-            ),
-            "free" => (self.decider.free(id), ActiveSequenceEventData::Free),
+        let update = match action {
+            "first_token" => Update::FirstToken,
+            "free" => Update::Free,
             _ => return Response::error(404, "no such endpoint"),
         };
-        match result {
-            Ok(worker) => {
-                self.replicate(id, worker, None, data);
-                Response::json(200, br#"{"ok":true}"#.to_vec())
-            }
+        match self.update(id, update) {
+            Ok(_) => Response::json(200, br#"{"ok":true}"#.to_vec()),
             Err(e) => Response::error(404, e.to_string()),
         }
     }
+
+    /// A request's prefill is done or it finished, as every front reports it; the other
+    /// replicas hear of it.
+    pub(crate) fn update(&mut self, id: &str, update: Update) -> Result<WorkerDp, SlotError> {
+        let now = self.now_ms();
+        let (result, data) = match update {
+            Update::FirstToken => (
+                self.decider.first_token(id, now),
+                ActiveSequenceEventData::MarkPrefillCompleted,
+            ),
+            Update::Free => (self.decider.free(id), ActiveSequenceEventData::Free),
+        };
+        if let Ok(worker) = result {
+            self.replicate(id, worker, None, data);
+        }
+        result
+    }
+
+    /// The candidates of a decision now: every known worker, less those in `exclude`.
+    pub(crate) fn candidates(&mut self, exclude: &[WorkerDp]) -> Vec<WorkerDp> {
+        let mut v = self.known_workers();
+        if !exclude.is_empty() {
+            v.retain(|w| !exclude.contains(w));
+        }
+        v
+    }
+
+    /// Whether `worker` is a candidate now and has room for one more request.
+    pub(crate) fn is_open(&mut self, worker: WorkerDp) -> bool {
+        self.known_workers().binary_search(&worker).is_ok() && !self.decider.slots().is_full(worker)
+    }
+
+    /// The executor's clock, milliseconds since the service started.
+    pub(crate) fn clock_ms(&self) -> u64 {
+        self.now_ms()
+    }
+
+    /// Whether the index is ready (the routing API's `/healthz`).
+    pub(crate) fn is_healthy(&self) -> bool {
+        self.healthy()
+    }
+
+    /// The routing API's `/metrics` text.
+    pub(crate) fn metrics_text(&self) -> String {
+        let mut out = metrics::render(
+            &self.counters,
+            &self.http,
+            &self.replica,
+            &self.times,
+            self.decider.slots(),
+            self.ingest.as_ref(),
+        );
+        if let Some(p) = &self.proxy {
+            p.render(&mut out);
+        }
+        out
+    }
+
+    /// Tokens per KV block.
+    pub(crate) fn block_size(&self) -> u32 {
+        self.cfg.block_size
+    }
+
+    /// The most blocks one request may have (413 past it), checked before any hashing.
+    pub(crate) fn check_blocks(&self, blocks: usize) -> Result<(), DecideError> {
+        self.decider.check_blocks(blocks)
+    }
+}
+
+/// What a front asks of [`State::decide`].
+#[derive(Debug, Clone)]
+pub(crate) struct Ask<'a> {
+    /// The request's local block hashes.
+    pub(crate) locals: &'a [LocalBlockHash],
+    /// Its prompt tokens.
+    pub(crate) tokens: u64,
+    /// Its id (`None`: one is made up).
+    pub(crate) request_id: Option<&'a str>,
+    /// Its LoRA adapter (replica sync names it).
+    pub(crate) lora_name: Option<String>,
+    /// Keep every candidate's cost terms.
+    pub(crate) explain: bool,
+}
+
+/// What a front reports of an active request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Update {
+    /// Its first token came: its prefill is done.
+    FirstToken,
+    /// It finished (answered, failed, or its client left).
+    Free,
 }
 
 #[cfg(test)]

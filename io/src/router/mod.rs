@@ -44,6 +44,7 @@ mod input;
 mod metrics;
 mod replica;
 
+pub(crate) use endpoints::{Ask, State, Update};
 pub use input::BINARY_HASHES;
 
 /// Settings of the router service.
@@ -87,6 +88,8 @@ pub struct RouterConfig {
     /// Let the API executor spin this long before parking: lower latency on a dedicated
     /// core, wasted CPU on a shared one.
     pub spin_before_park: Option<Duration>,
+    /// The OpenAI-compatible front, on its own listener (absent: not served).
+    pub proxy: Option<crate::proxy::ProxyConfig>,
 }
 
 impl Default for RouterConfig {
@@ -110,6 +113,7 @@ impl Default for RouterConfig {
             static_workers: Vec::new(),
             limits: Limits::default(),
             spin_before_park: None,
+            proxy: None,
         }
     }
 }
@@ -133,6 +137,9 @@ pub enum RouterError {
     /// The API's executor stopped before it listened.
     #[error("the API executor stopped while starting")]
     Stopped,
+    /// The OpenAI front's address could not be bound, or a model card not loaded.
+    #[error("the OpenAI front: {0}")]
+    Proxy(String),
     /// Replica sync could not reach NATS.
     #[error("replica sync")]
     ReplicaSync(#[source] NatsError),
@@ -141,6 +148,7 @@ pub enum RouterError {
 /// A running router service.
 pub struct RouterHandle {
     addr: SocketAddr,
+    proxy_addr: Option<SocketAddr>,
     stop: flume::Sender<()>,
     thread: Option<glommio::ExecutorJoinHandle<()>>,
 }
@@ -157,6 +165,11 @@ impl RouterHandle {
     /// The address the API listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The address the OpenAI front listens on, when it runs.
+    pub fn proxy_addr(&self) -> Option<SocketAddr> {
+        self.proxy_addr
     }
 
     /// Stops the service and waits for it.
@@ -192,7 +205,7 @@ pub fn start(
     cpu: Option<usize>,
     io_memory: usize,
 ) -> Result<RouterHandle, RouterError> {
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<SocketAddr, RouterError>>();
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<Addrs, RouterError>>();
     let (stop, stop_rx) = flume::bounded::<()>(1);
     let placement = cpu.map_or(glommio::Placement::Unbound, glommio::Placement::Fixed);
     let mut builder = glommio::LocalExecutorBuilder::new(placement)
@@ -204,13 +217,17 @@ pub fn start(
     let thread = builder
         .spawn(move || async move { run(cfg, ingest, addr_tx, stop_rx).await })
         .map_err(|e| RouterError::Executor(e.into()))?;
-    let addr = addr_rx.recv().map_err(|_| RouterError::Stopped)??;
+    let (addr, proxy_addr) = addr_rx.recv().map_err(|_| RouterError::Stopped)??;
     Ok(RouterHandle {
         addr,
+        proxy_addr,
         stop,
         thread: Some(thread),
     })
 }
+
+/// The routing API's address and the OpenAI front's.
+type Addrs = (SocketAddr, Option<SocketAddr>);
 
 /// The decision's settings from the service's.
 fn decider_config(cfg: &RouterConfig) -> DeciderConfig {
@@ -229,7 +246,7 @@ fn decider_config(cfg: &RouterConfig) -> DeciderConfig {
 async fn run(
     cfg: RouterConfig,
     ingest: Option<IngestView>,
-    addr_tx: std::sync::mpsc::Sender<Result<SocketAddr, RouterError>>,
+    addr_tx: std::sync::mpsc::Sender<Result<Addrs, RouterError>>,
     stop: flume::Receiver<()>,
 ) {
     let listener = match http::bind(cfg.listen) {
@@ -294,7 +311,32 @@ async fn run(
         }
     })
     .detach();
-    let _ = addr_tx.send(Ok(addr));
+    let mut proxy_addr = None;
+    if let Some(pc) = cfg.proxy.clone() {
+        let listener = match glommio::net::TcpListener::bind(pc.listen) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = addr_tx.send(Err(RouterError::Proxy(format!(
+                    "cannot listen on {}: {e}",
+                    pc.listen
+                ))));
+                return;
+            }
+        };
+        proxy_addr = Some(listener.local_addr().unwrap_or(pc.listen));
+        let stats = Rc::new(crate::proxy::ProxyStats::default());
+        state.borrow_mut().proxy = Some(Rc::clone(&stats));
+        let front = match crate::proxy::Front::new(Rc::clone(&state), pc, stats) {
+            Ok(f) => Rc::new(f),
+            Err(e) => {
+                let _ = addr_tx.send(Err(RouterError::Proxy(e)));
+                return;
+            }
+        };
+        glommio::spawn_local(crate::proxy::serve(listener, front)).detach();
+        tracing::info!(addr = ?proxy_addr, "OpenAI front listening");
+    }
+    let _ = addr_tx.send(Ok((addr, proxy_addr)));
     tracing::info!(%addr, "routing API listening");
     let st = Rc::clone(&state);
     let handler: Rc<dyn Fn(Request) -> Response> = Rc::new(move |req| st.borrow_mut().handle(req));
