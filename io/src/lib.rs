@@ -20,6 +20,7 @@ pub mod http;
 pub mod ingest;
 pub mod log;
 pub mod nats;
+pub mod proxy;
 pub mod router;
 pub mod snapshot;
 pub mod throttle;

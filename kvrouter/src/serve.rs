@@ -16,6 +16,7 @@ use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
 use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig, ZmqEngine};
 use kvrouter_io::nats::Options;
+use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target, UpstreamConfig};
 use kvrouter_io::router::{self, RouterConfig};
 use kvrouter_io::zmq::Endpoint;
 use serde::{Deserialize, Serialize};
@@ -182,6 +183,46 @@ pub(crate) struct ServeArgs {
     /// Busy threshold: most active prefill tokens per worker.
     #[arg(long, env = "KVROUTER_MAX_ACTIVE_PREFILL_TOKENS")]
     max_active_prefill_tokens: Option<u64>,
+    /// Serve the OpenAI-compatible front on this address (absent: not served).
+    #[arg(long, env = "KVROUTER_OPENAI_LISTEN")]
+    openai_listen: Option<SocketAddr>,
+    /// A model the front serves, repeated: `NAME=DIR` (DIR holds tokenizer.json and
+    /// tokenizer_config.json).
+    #[arg(long = "model", env = "KVROUTER_MODELS", value_delimiter = ';')]
+    models: Option<Vec<String>>,
+    /// A worker's OpenAI base URL, repeated: `WORKER_ID=http://HOST:PORT` (ZMQ engines
+    /// give theirs with `url=`).
+    #[arg(
+        long = "worker-url",
+        env = "KVROUTER_WORKER_URLS",
+        value_delimiter = ';'
+    )]
+    worker_urls: Option<Vec<String>>,
+    /// Send every request to this Dynamo frontend (`--router-mode direct`) instead, naming
+    /// the chosen worker in `nvext`.
+    #[arg(long, env = "KVROUTER_DYNAMO_FRONTEND")]
+    dynamo_frontend: Option<String>,
+    /// Retries on another worker before a response's first byte.
+    #[arg(long, env = "KVROUTER_PROXY_RETRIES")]
+    proxy_retries: Option<u32>,
+    /// Milliseconds to connect to an engine.
+    #[arg(long, env = "KVROUTER_UPSTREAM_CONNECT_TIMEOUT_MS")]
+    upstream_connect_timeout_ms: Option<u64>,
+    /// Seconds from sending a request to an engine to its response's headers.
+    #[arg(long, env = "KVROUTER_UPSTREAM_FIRST_BYTE_TIMEOUT_SECS")]
+    upstream_first_byte_timeout_secs: Option<u64>,
+    /// Seconds an engine may stay silent in the middle of an answer.
+    #[arg(long, env = "KVROUTER_UPSTREAM_IDLE_TIMEOUT_SECS")]
+    upstream_idle_timeout_secs: Option<u64>,
+    /// Largest body the front accepts, bytes.
+    #[arg(long, env = "KVROUTER_OPENAI_MAX_BODY_BYTES")]
+    openai_max_body_bytes: Option<usize>,
+    /// Session affinity: a header naming the session, besides `X-Dynamo-Session-ID`.
+    #[arg(long, env = "KVROUTER_SESSION_HEADER")]
+    session_header: Option<String>,
+    /// Seconds a session stays bound to its worker after its last request (0: off).
+    #[arg(long, env = "KVROUTER_SESSION_TTL_SECS")]
+    session_ttl_secs: Option<u64>,
 }
 
 /// The effective configuration (also the TOML file's schema).
@@ -242,12 +283,26 @@ pub(crate) struct ServeConfig {
     herd_k: usize,
     max_active_decode_blocks: Option<u64>,
     max_active_prefill_tokens: Option<u64>,
+    openai_listen: Option<SocketAddr>,
+    models: Vec<String>,
+    #[serde(serialize_with = "redacted_urls")]
+    worker_urls: Vec<String>,
+    #[serde(serialize_with = "redacted_opt_url")]
+    dynamo_frontend: Option<String>,
+    proxy_retries: u32,
+    upstream_connect_timeout_ms: u64,
+    upstream_first_byte_timeout_secs: u64,
+    upstream_idle_timeout_secs: u64,
+    openai_max_body_bytes: usize,
+    session_header: Option<String>,
+    session_ttl_secs: u64,
 }
 
 impl Default for ServeConfig {
     fn default() -> Self {
         let cost = CostConfig::default();
         let (http, limits) = (HttpConfig::default(), Limits::default());
+        let proxy = ProxyConfig::default();
         Self {
             nats: "nats://127.0.0.1:4222".into(),
             engines: Vec::new(),
@@ -297,6 +352,17 @@ impl Default for ServeConfig {
             herd_k: 0,
             max_active_decode_blocks: None,
             max_active_prefill_tokens: None,
+            openai_listen: None,
+            models: Vec::new(),
+            worker_urls: Vec::new(),
+            dynamo_frontend: None,
+            proxy_retries: proxy.max_retries,
+            upstream_connect_timeout_ms: proxy.upstream.connect_timeout.as_millis() as u64,
+            upstream_first_byte_timeout_secs: proxy.upstream.first_byte_timeout.as_secs(),
+            upstream_idle_timeout_secs: proxy.upstream.idle_timeout.as_secs(),
+            openai_max_body_bytes: proxy.max_body_bytes,
+            session_header: None,
+            session_ttl_secs: proxy.session_ttl.as_secs(),
         }
     }
 }
@@ -463,7 +529,15 @@ impl ServeConfig {
             disk_cache_hit_weight,
             shared_cache_multiplier,
             temperature,
-            herd_k
+            herd_k,
+            models,
+            worker_urls,
+            proxy_retries,
+            upstream_connect_timeout_ms,
+            upstream_first_byte_timeout_secs,
+            upstream_idle_timeout_secs,
+            openai_max_body_bytes,
+            session_ttl_secs
         );
         overlay_opt!(
             cfg,
@@ -477,9 +551,87 @@ impl ServeConfig {
             dynamo_discovery,
             snapshot_dir,
             max_active_decode_blocks,
-            max_active_prefill_tokens
+            max_active_prefill_tokens,
+            openai_listen,
+            dynamo_frontend,
+            session_header
         );
         Ok(cfg)
+    }
+
+    /// The OpenAI front's settings, when it is on.
+    fn proxy(&self, engines: &[ZmqEngine]) -> anyhow::Result<Option<ProxyConfig>> {
+        let Some(listen) = self.openai_listen else {
+            return Ok(None);
+        };
+        let models = self
+            .models
+            .iter()
+            .map(|m| {
+                let (name, dir) = m
+                    .split_once('=')
+                    .with_context(|| format!("--model {m:?}: expected NAME=DIR"))?;
+                Ok(ModelSpec {
+                    name: name.trim().to_owned(),
+                    dir: PathBuf::from(dir.trim()),
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if models.is_empty() {
+            anyhow::bail!("--openai-listen needs at least one --model NAME=DIR");
+        }
+        let backend = match &self.dynamo_frontend {
+            Some(url) => Backend::DynamoDirect(
+                Target::parse(url).map_err(|e| anyhow::anyhow!("--dynamo-frontend {e}"))?,
+            ),
+            None => {
+                let mut list = Vec::new();
+                for e in engines {
+                    if let Some(url) = &e.http_url {
+                        let t = Target::parse(url)
+                            .map_err(|err| anyhow::anyhow!("engine {}: {err}", e.name))?;
+                        list.push((e.worker_id, t));
+                    }
+                }
+                for w in &self.worker_urls {
+                    let (id, url) = w
+                        .split_once('=')
+                        .with_context(|| format!("--worker-url {w:?}: expected ID=URL"))?;
+                    let id: u64 = id.trim().parse().context("--worker-url: worker id")?;
+                    let t = Target::parse(url.trim())
+                        .map_err(|e| anyhow::anyhow!("--worker-url {e}"))?;
+                    list.retain(|(i, _)| *i != id);
+                    list.push((id, t));
+                }
+                if list.is_empty() {
+                    anyhow::bail!(
+                        "--openai-listen needs engine URLs (--worker-url ID=URL, url= in --zmq-engine) or --dynamo-frontend"
+                    );
+                }
+                Backend::Engines(list)
+            }
+        };
+        let d = ProxyConfig::default();
+        Ok(Some(ProxyConfig {
+            listen,
+            models,
+            backend,
+            upstream: UpstreamConfig {
+                connect_timeout: Duration::from_millis(self.upstream_connect_timeout_ms.max(1)),
+                first_byte_timeout: Duration::from_secs(
+                    self.upstream_first_byte_timeout_secs.max(1),
+                ),
+                idle_timeout: Duration::from_secs(self.upstream_idle_timeout_secs.max(1)),
+                ..UpstreamConfig::default()
+            },
+            max_retries: self.proxy_retries,
+            max_body_bytes: self.openai_max_body_bytes,
+            header_timeout: Duration::from_secs(self.header_timeout_secs.max(1)),
+            body_timeout: Duration::from_secs(self.body_timeout_secs.max(1)),
+            session_header: self.session_header.clone().map(|h| h.to_ascii_lowercase()),
+            session_ttl: Duration::from_secs(self.session_ttl_secs),
+            ..d
+        }))
     }
 
     fn static_workers(&self) -> anyhow::Result<Vec<WorkerDp>> {
@@ -532,6 +684,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|e| e.engine(cfg.block_size))
         .collect::<anyhow::Result<_>>()?;
+    let proxy = cfg.proxy(&engines)?;
     let discovery = match cfg.dynamo_discovery.as_deref() {
         None => None,
         Some(d) => Some(PathBuf::from(d.strip_prefix("file:").with_context(
@@ -646,6 +799,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         auth_token: cfg.auth_token.clone(),
         seed: cfg.seed,
         static_workers: cfg.static_workers()?,
+        proxy,
         ..RouterConfig::default()
     };
     let api = router::start(
@@ -656,6 +810,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     )
     .context("starting the routing API")?;
     println!("kvrouter serving on http://{}", api.addr());
+    if let Some(a) = api.proxy_addr() {
+        println!("kvrouter OpenAI front on http://{a}");
+    }
     // Stop cleanly on SIGTERM / SIGINT: the API first, then the ingest (which writes its
     // snapshot on stop).
     let mut signals = signal_hook::iterator::Signals::new([
@@ -730,6 +887,17 @@ fn connection_cap(wanted: usize, fd_limit: u64) -> usize {
 }
 
 /// The NATS URL without its user info, for the effective-configuration line.
+fn redacted_urls<S: serde::Serializer>(urls: &[String], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(urls.iter().map(|u| kvrouter_io::nats::redact(u)))
+}
+
+fn redacted_opt_url<S: serde::Serializer>(url: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match url {
+        Some(u) => s.serialize_some(&kvrouter_io::nats::redact(u)),
+        None => s.serialize_none(),
+    }
+}
+
 fn redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&kvrouter_io::nats::redact(url))
 }
