@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 pub mod engine;
 pub mod fleet;
+pub mod openai;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {

@@ -1,0 +1,256 @@
+//! The OpenAI front end to end: the `openai` Python SDK as the client, a real
+//! `kvrouter-io` router in this process (approximate mode, two static workers, no NATS)
+//! serving the front, and our mock OpenAI engines (`tests/py/openai_engine.py`, for the
+//! faults a real engine cannot be made to produce) behind it.
+
+use std::time::Duration;
+
+use kvrouter_core::worker::WorkerDp;
+use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target};
+use kvrouter_io::router::{self, RouterConfig, RouterHandle};
+use kvrouter_tests::fleet::wait_until;
+use kvrouter_tests::http;
+use kvrouter_tests::openai::{MockEngine, card_with_template, sdk, tiny_card};
+
+fn front(engines: &[&MockEngine]) -> RouterHandle {
+    let strict = card_with_template(
+        "strict",
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}{{ m.content }}{% endfor %}",
+    );
+    let list = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (i as u64 + 1, Target::parse(&e.url).expect("url")))
+        .collect();
+    router::start(
+        RouterConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            replica_sync: false,
+            kv_events: false,
+            block_size: 16,
+            static_workers: (1..=engines.len() as u64)
+                .map(|w| WorkerDp::new(w, 0))
+                .collect(),
+            proxy: Some(ProxyConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                models: vec![
+                    ModelSpec {
+                        name: "tiny".into(),
+                        dir: tiny_card(),
+                    },
+                    ModelSpec {
+                        name: "strict".into(),
+                        dir: strict,
+                    },
+                ],
+                backend: Backend::Engines(list),
+                max_body_bytes: 1 << 20,
+                ..ProxyConfig::default()
+            }),
+            ..RouterConfig::default()
+        },
+        None,
+        None,
+        512 << 10,
+    )
+    .expect("the router starts")
+}
+
+fn metric(addr: &str, name: &str) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn active_requests(api: &str) -> u64 {
+    let (_, body) = http(api, "GET", "/v1/workers", "", &[]);
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    v["workers"]
+        .as_array()
+        .expect("workers")
+        .iter()
+        .map(|w| w["active_requests"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+#[test]
+fn the_openai_sdk_gets_answers_relayed_and_every_request_is_freed() {
+    let a = MockEngine::start("A", &["--cached", "16"]);
+    let b = MockEngine::start("B", &["--cached", "16"]);
+    let r = front(&[&a, &b]);
+    let api = r.addr().to_string();
+    let base = format!("http://{}", r.proxy_addr().expect("the front runs"));
+    let out = sdk(
+        &base,
+        &[
+            "models",
+            "chat",
+            "chat_stream",
+            "completion",
+            "completion_stream",
+            "session",
+            "die_after_first",
+            "bad",
+        ],
+    );
+    let by = |s: &str| {
+        out.iter()
+            .find(|o| o["scenario"] == s)
+            .cloned()
+            .unwrap_or_else(|| panic!("{s}: {out:?}"))
+    };
+    for o in &out {
+        assert!(o.get("exception").is_none(), "{o}");
+    }
+    assert_eq!(by("models")["ids"], serde_json::json!(["tiny", "strict"]));
+    // Answers arrive intact, from the engine the router named.
+    let chat = by("chat");
+    let worker = chat["worker"].as_str().expect("worker header");
+    let name = if worker == "1" { "A" } else { "B" };
+    assert_eq!(
+        chat["content"],
+        format!("{name}-t0 {name}-t1 {name}-t2 {name}-t3 ")
+    );
+    assert_eq!(chat["cached"], 16);
+    let engine = if name == "A" { &a } else { &b };
+    let rid = chat["request_id"].as_str().expect("request id").to_owned();
+    engine.wait_for(
+        "the chat request with the router's id",
+        Duration::from_secs(5),
+        |l| {
+            l["event"] == "request"
+                && l["request_id"] == rid.as_str()
+                && l["authorization"] == "Bearer sk-test-secret"
+                && l["dp_rank"] == "0"
+                && l["body"]["messages"][0]["role"] == "system"
+        },
+    );
+    let stream = by("chat_stream");
+    let content = stream["content"].as_str().expect("content");
+    assert!(
+        content == "A-t0 A-t1 A-t2 A-t3 " || content == "B-t0 B-t1 B-t2 B-t3 ",
+        "{stream}"
+    );
+    assert_eq!(stream["usage"], 4, "include_usage is honoured: {stream}");
+    assert!(
+        by("completion")["content"]
+            .as_str()
+            .expect("text")
+            .ends_with("-t3 ")
+    );
+    assert!(
+        by("completion_stream")["content"]
+            .as_str()
+            .expect("text")
+            .ends_with("-t3 ")
+    );
+    // A session stays on its worker.
+    let ws = by("session")["workers"]
+        .as_array()
+        .expect("workers")
+        .clone();
+    assert!(ws.iter().all(|w| *w == ws[0]), "{ws:?}");
+    assert!(metric(&api, "kvrouter_proxy_session_routes_total") >= 3.0);
+    // An engine that dies after the first byte: the client sees an error, no retry.
+    let died = by("die_after_first");
+    assert!(died["error"].is_string(), "{died}");
+    assert_eq!(died["got"].as_array().map(Vec::len), Some(1), "{died}");
+    // Bad input: OpenAI-style 4xx.
+    let bad = by("bad");
+    for (case, status) in [
+        ("malformed", 400),
+        ("unknown_model", 404),
+        ("no_messages", 400),
+        ("oversize", 413),
+        ("template_raises", 400),
+        ("not_object", 400),
+    ] {
+        assert_eq!(bad[case][0], status, "{case}: {bad}");
+        assert!(
+            bad[case][1]["error"]["message"].is_string(),
+            "{case}: {bad}"
+        );
+    }
+    assert_eq!(bad["sdk_unknown_model"], 404);
+    assert!(
+        bad["template_raises"][1]["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no tool turns"),
+        "{bad}"
+    );
+    // Every request was freed; first tokens were seen; the engines' cached tokens counted.
+    wait_until("every request freed", Duration::from_secs(5), || {
+        active_requests(&api) == 0
+    });
+    assert!(metric(&api, "kvrouter_proxy_time_to_first_token_seconds_count") >= 3.0);
+    assert!(metric(&api, "kvrouter_proxy_engine_cached_tokens_total") >= 32.0);
+    assert_eq!(
+        metric(
+            &api,
+            "kvrouter_proxy_upstream_errors_total{kind=\"stream\"}"
+        ),
+        1.0
+    );
+    assert_eq!(metric(&api, "kvrouter_proxy_retries_total"), 0.0);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_cancels_the_engine_and_frees_its_slot() {
+    let a = MockEngine::start("A", &[]);
+    let r = front(&[&a]);
+    let api = r.addr().to_string();
+    let base = format!("http://{}", r.proxy_addr().expect("the front runs"));
+    let out = sdk(&base, &["disconnect"]);
+    assert_eq!(out[0]["read"], 3, "{out:?}");
+    a.wait_for("the request cancelled", Duration::from_secs(10), |l| {
+        l["event"] == "cancelled"
+    });
+    wait_until("the slot freed", Duration::from_secs(5), || {
+        active_requests(&api) == 0
+    });
+    assert_eq!(metric(&api, "kvrouter_proxy_client_disconnects_total"), 1.0);
+}
+
+#[test]
+fn a_dead_worker_before_the_first_byte_is_retried_elsewhere() {
+    let dead = MockEngine::start("A", &["--fail"]);
+    let b = MockEngine::start("B", &[]);
+    let r = front(&[&dead, &b]);
+    let api = r.addr().to_string();
+    let base = format!("http://{}", r.proxy_addr().expect("the front runs"));
+    let out = sdk(
+        &base,
+        &[
+            "chat",
+            "chat_stream",
+            "completion",
+            "completion_stream",
+            "chat",
+            "completion",
+        ],
+    );
+    for o in &out {
+        assert!(o.get("exception").is_none(), "{o}");
+        assert!(
+            o["content"].as_str().expect("content").starts_with("B-t0"),
+            "{o}"
+        );
+    }
+    // The dead engine was tried (its log has requests), and each try was retried on B.
+    let tried = dead
+        .log()
+        .iter()
+        .filter(|l| l["event"] == "request")
+        .count() as f64;
+    assert!(
+        tried >= 1.0,
+        "the dead worker was never chosen: {:?}",
+        dead.log()
+    );
+    assert_eq!(metric(&api, "kvrouter_proxy_retries_total"), tried);
+    wait_until("every request freed", Duration::from_secs(5), || {
+        active_requests(&api) == 0
+    });
+}

@@ -1,0 +1,125 @@
+//! The proxy's tokenisation against the reference: for a set of chat requests, the prompt
+//! our chat template rendering (minijinja) writes and the token ids our tokenizer (the
+//! `tokenizers` crate) gives are those of Python `transformers`' `apply_chat_template` on
+//! the same card. Cards: the tiny card of `../shared/dynamo/make_tiny_model.py`, and the
+//! tiny tokenizer under Qwen2.5's template (system prompt, tools, tool calls, tool
+//! responses). A mismatch here would silently destroy the proxy's hit ratio.
+
+use kvrouter_io::proxy::model::ModelCard;
+use kvrouter_tests::openai::{card_with_template, reference_tokens, tiny_card};
+use kvrouter_tests::repo_root;
+use serde_json::json;
+
+fn requests() -> Vec<serde_json::Value> {
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, today.",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"},
+         "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "search", "description": "Search the web – fast.",
+         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    ]);
+    vec![
+        json!({"messages": [{"role": "user", "content": "Hello there!"}]}),
+        json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is a KV cache?\nAnswer in a line."}]}),
+        json!({"messages": [
+            {"role": "user", "content": "Write a haiku."},
+            {"role": "assistant", "content": "Blocks hashed in a row,\nthe router knows where they live,\nprefill is skipped now."},
+            {"role": "user", "content": "Another, about caches — in Français: déjà vu ✓"}]}),
+        json!({"messages": [{"role": "user", "content": "No generation prompt."}], "add_generation_prompt": false}),
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}]}),
+        json!({"tools": tools, "messages": [
+            {"role": "system", "content": "You plan trips."},
+            {"role": "user", "content": "Weather in Paris, and search for museums?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "search", "arguments": "{\"q\": \"musées Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
+            {"role": "tool", "tool_call_id": "c2", "content": "Louvre, Orsay"},
+            {"role": "user", "content": "Thanks!"}]}),
+        json!({"tools": tools, "messages": [{"role": "user", "content": "Tools, no system prompt."}]}),
+    ]
+}
+
+fn check(card_dir: &std::path::Path, requests: &[serde_json::Value]) {
+    let card = ModelCard::load(card_dir).expect("card loads");
+    let reference = reference_tokens(card_dir, requests);
+    assert_eq!(reference.len(), requests.len());
+    for (req, want) in requests.iter().zip(&reference) {
+        assert!(
+            want.get("error").is_none(),
+            "transformers failed on {req}: {want}"
+        );
+        let text = card.render_chat(req).expect("renders");
+        assert_eq!(
+            text,
+            want["text"].as_str().expect("text"),
+            "rendering of {req}"
+        );
+        let ids: Vec<u64> = card
+            .chat_tokens(req)
+            .expect("tokenises")
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        let want_ids: Vec<u64> = want["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id"))
+            .collect();
+        assert!(!ids.is_empty());
+        assert_eq!(ids, want_ids, "token ids of {req}");
+    }
+}
+
+#[test]
+fn tiny_card_ids_match_transformers() {
+    // The tiny template prints content as a string: no tools there.
+    let reqs: Vec<_> = requests()
+        .into_iter()
+        .filter(|r| r.get("tools").is_none())
+        .collect();
+    check(&tiny_card(), &reqs);
+}
+
+#[test]
+fn qwen_template_with_tools_matches_transformers() {
+    let template =
+        std::fs::read_to_string(repo_root().join("tests/fixtures/chat-templates/qwen2.5.jinja"))
+            .expect("template");
+    let dir = card_with_template("qwen2.5", &template);
+    check(&dir, &requests());
+}
+
+#[test]
+fn a_failing_template_is_an_error_not_a_panic() {
+    let dir = card_with_template(
+        "strict",
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant', 'system'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}",
+    );
+    let card = ModelCard::load(&dir).expect("card loads");
+    let err = card
+        .chat_tokens(&json!({"messages": [{"role": "tool", "content": "x"}]}))
+        .expect_err("raises");
+    assert!(err.to_string().contains("bad role tool"), "{err}");
+    for bad in [
+        json!({}),
+        json!({"messages": "x"}),
+        json!({"messages": [1]}),
+    ] {
+        assert!(card.chat_tokens(&bad).is_err(), "{bad}");
+    }
+    assert!(
+        card.completion_tokens(&json!({"prompt": [1, 2, 3]}))
+            .expect("ids")
+            == vec![1, 2, 3]
+    );
+    assert!(
+        card.completion_tokens(&json!({"prompt": ["a", "b"]}))
+            .is_err()
+    );
+    assert!(card.completion_tokens(&json!({"prompt": [-1]})).is_err());
+}
