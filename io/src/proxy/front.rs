@@ -234,6 +234,21 @@ impl Front {
         futures_lite::future::or(read, late).await
     }
 
+    /// Reads and drops up to `max` bytes of a body, within the body deadline.
+    async fn drain(&self, mut body: Incoming, max: usize) {
+        let read = async {
+            let mut n = 0;
+            while n < max {
+                match body.frame().await {
+                    Some(Ok(f)) => n += f.data_ref().map_or(0, Bytes::len),
+                    _ => break,
+                }
+            }
+        };
+        let late = glommio::timer::sleep(self.cfg.body_timeout);
+        futures_lite::future::or(read, late).await;
+    }
+
     /// A refused decision as the client sees it, counted as `/v1/route` counts it.
     fn refused(&self, e: &DecideError) -> Response<ProxyBody> {
         let r = self.state.borrow_mut().refusal(e);
@@ -276,6 +291,10 @@ impl Front {
             .and_then(|v| v.parse::<usize>().ok())
             && n > self.cfg.max_body_bytes
         {
+            // Read (and drop) what the client is sending before answering, up to a bound:
+            // a client still writing when the connection closes sees a broken pipe, not
+            // the 413.
+            self.drain(body, n.min(4 * self.cfg.max_body_bytes)).await;
             return error(
                 413,
                 "invalid_request_error",
