@@ -164,6 +164,15 @@ where
         .expect("executor thread")
 }
 
+/// One sample of the service's `/metrics` at `addr` (`name` with its labels, if any), NaN
+/// when absent.
+pub fn metric(addr: &str, name: &str) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
 /// A minimal HTTP/1.1 client for tests: one request per connection.
 pub fn http(
     addr: &str,

@@ -12,7 +12,7 @@ use kvrouter_core::decision::Limits;
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
 use kvrouter_io::router::{self, BINARY_HASHES, RouterConfig};
-use kvrouter_tests::{http, http_bytes};
+use kvrouter_tests::{http, http_bytes, metric};
 
 fn api(http: HttpConfig, limits: Limits) -> router::RouterHandle {
     router::start(
@@ -31,13 +31,6 @@ fn api(http: HttpConfig, limits: Limits) -> router::RouterHandle {
         512 << 10,
     )
     .expect("the routing API starts")
-}
-
-fn metric(addr: &str, name: &str) -> f64 {
-    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 /// Sends `wire` on a fresh connection and reads everything until the server closes it.

@@ -9,8 +9,8 @@ use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target};
 use kvrouter_io::router::{self, RouterConfig, RouterHandle};
 use kvrouter_tests::fleet::wait_until;
-use kvrouter_tests::http;
 use kvrouter_tests::openai::{MockEngine, card_with_template, sdk, tiny_card};
+use kvrouter_tests::{http, metric};
 
 fn front(engines: &[&MockEngine]) -> RouterHandle {
     let strict = card_with_template(
@@ -54,13 +54,6 @@ fn front(engines: &[&MockEngine]) -> RouterHandle {
         512 << 10,
     )
     .expect("the router starts")
-}
-
-fn metric(addr: &str, name: &str) -> f64 {
-    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 fn active_requests(api: &str) -> u64 {

@@ -8,14 +8,7 @@ use std::time::Duration;
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::router::{self, BINARY_HASHES, RouterConfig};
 use kvrouter_tests::fleet::{nats_opts, wait_until};
-use kvrouter_tests::{NatsServer, http, http_bytes};
-
-fn metric(addr: &str, name: &str) -> f64 {
-    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
-}
+use kvrouter_tests::{NatsServer, http, http_bytes, metric};
 
 fn replica(url: &str, id: u64) -> router::RouterHandle {
     router::start(

@@ -12,7 +12,7 @@ use kvrouter_io::nats::Client;
 use kvrouter_io::router::{self, RouterConfig};
 use kvrouter_io::worker::{KvPublisher, PublisherOptions};
 use kvrouter_tests::fleet::{nats_opts, wait_until};
-use kvrouter_tests::{NatsServer, http, on_glommio};
+use kvrouter_tests::{NatsServer, http, metric, on_glommio};
 use serde_json::Value;
 
 fn json(r: (u16, String)) -> (u16, Value) {
@@ -25,13 +25,6 @@ fn listed(addr: &str) -> Vec<u64> {
         .as_array()
         .map(|a| a.iter().filter_map(|w| w["worker_id"].as_u64()).collect())
         .unwrap_or_default()
-}
-
-fn metric(addr: &str, name: &str) -> f64 {
-    let (_, text) = http(addr, "GET", "/metrics", "", &[]);
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 fn api(ingest: &Ingest) -> router::RouterHandle {
