@@ -13,6 +13,11 @@
 //! * [`snapshot`]: snapshot files (atomic writes, mmap loads, full validation).
 //! * [`router`]: the routing API (every decision is `kvrouter_core::decision`'s; endpoints,
 //!   input parsing, metrics, replica sync).
+//! * [`proxy`]: the OpenAI-compatible front (tokenisation, upstream engines, streaming,
+//!   session affinity), on the routing API's executor and state.
+//! * `routing` (crate-private): what a front asks of the routing state, the seam that lets
+//!   `router` start `proxy` without `proxy` importing `router`.
+//! * [`throttle`]: rate-limited warnings.
 //!
 //! **Architecture Invariant:** `io` depends on `core`, never the other way round.
 
@@ -22,6 +27,7 @@ pub mod log;
 pub mod nats;
 pub mod proxy;
 pub mod router;
+mod routing;
 pub mod snapshot;
 pub mod throttle;
 pub mod worker;

@@ -318,12 +318,12 @@ impl KvPublisher {
             {
                 Ok(_) => return Ok(()),
                 Err(e) if started.elapsed() > Duration::from_secs(60) => {
-                    tracing::warn!(error = %e, "durable publish not confirmed for 60 s: giving up");
+                    tracing::warn!(error = %crate::Chain(&e), "durable publish not confirmed for 60 s: giving up");
                     return Err(NatsError::Timeout);
                 }
                 Err(JsError::Nats(NatsError::Closed)) => return Err(NatsError::Closed),
                 Err(e) => {
-                    tracing::debug!(error = %e, "durable publish not confirmed; resending");
+                    tracing::debug!(error = %crate::Chain(&e), "durable publish not confirmed; resending");
                     glommio::timer::sleep(Duration::from_millis(50)).await;
                 }
             }

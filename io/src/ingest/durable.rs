@@ -106,7 +106,7 @@ impl NatsSource {
                 if matches!(e, jetstream::JsError::Nats(NatsError::Closed)) {
                     return;
                 }
-                tracing::warn!(error = %e, "cannot create the durable consumer; retrying");
+                tracing::warn!(error = %crate::Chain(&e), "cannot create the durable consumer; retrying");
                 glommio::timer::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
                 continue;

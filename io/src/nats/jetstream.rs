@@ -6,6 +6,7 @@
 //! Requests are JSON on `$JS.API.*` subjects (the NATS JetStream API reference); errors in
 //! replies (`{"error": {"code", "err_code", "description"}}`) become [`JsError::Api`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -18,7 +19,7 @@ use super::{Client, NatsError};
 #[non_exhaustive]
 pub enum JsError {
     /// The request did not get through (no JetStream, timeout, disconnected).
-    #[error("nats: {0}")]
+    #[error("nats")]
     Nats(#[from] NatsError),
     /// The server refused.
     #[error("jetstream error {code}/{err_code}: {description}")]
@@ -30,10 +31,60 @@ pub enum JsError {
         /// The server's words.
         description: String,
     },
-    /// The reply was not what the API documents.
+    /// A body that is not the JSON the API documents (the reply, or the `error` in it),
+    /// or a request that cannot be encoded.
+    #[error("malformed jetstream {what}")]
+    Json {
+        /// Which body: `request`, `reply`, `reply error`.
+        what: &'static str,
+        /// Why (serde_json's error).
+        #[source]
+        source: JsonError,
+    },
+    /// The reply was JSON, but not what the API documents.
     #[error("unexpected jetstream reply: {0}")]
     Reply(String),
 }
+
+impl JsError {
+    fn json(what: &'static str) -> impl FnOnce(serde_json::Error) -> Self {
+        move |e| JsError::Json {
+            what,
+            source: JsonError(Arc::new(e)),
+        }
+    }
+}
+
+/// A serde_json error that can be cloned and compared (by category), as [`JsError`] is.
+#[derive(Debug, Clone)]
+pub struct JsonError(Arc<serde_json::Error>);
+
+impl JsonError {
+    /// The error itself.
+    pub fn get_ref(&self) -> &serde_json::Error {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for JsonError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for JsonError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for JsonError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.classify() == other.0.classify()
+    }
+}
+
+impl Eq for JsonError {}
 
 /// JetStream's "stream not found" error code.
 pub const ERR_STREAM_NOT_FOUND: u32 = 10059;
@@ -56,17 +107,16 @@ async fn api(
     body: &serde_json::Value,
     timeout: Duration,
 ) -> Result<serde_json::Value, JsError> {
-    let payload = serde_json::to_vec(body).map_err(|e| JsError::Reply(e.to_string()))?;
+    let payload = serde_json::to_vec(body).map_err(JsError::json("request"))?;
     reply_json(&client.request(subject, &payload, timeout).await?.payload)
 }
 
 /// A JetStream reply as JSON, or its `error` as [`JsError::Api`].
 fn reply_json(payload: &[u8]) -> Result<serde_json::Value, JsError> {
-    let v: serde_json::Value =
-        serde_json::from_slice(payload).map_err(|e| JsError::Reply(e.to_string()))?;
+    let v: serde_json::Value = serde_json::from_slice(payload).map_err(JsError::json("reply"))?;
     if let Some(err) = v.get("error") {
         let e: ApiError =
-            serde_json::from_value(err.clone()).map_err(|e| JsError::Reply(e.to_string()))?;
+            serde_json::from_value(err.clone()).map_err(JsError::json("reply error"))?;
         return Err(JsError::Api {
             code: e.code,
             err_code: e.err_code,
@@ -295,5 +345,33 @@ mod tests {
         );
         assert_eq!(parse_ack_subject("_INBOX.x.y"), None);
         assert_eq!(parse_ack_subject("$JS.ACK.KV.c.x.42.7.1.0"), None);
+    }
+
+    #[test]
+    fn malformed_replies_keep_serdes_error() {
+        use std::error::Error as _;
+        let e = reply_json(b"not json").unwrap_err();
+        assert!(matches!(e, JsError::Json { what: "reply", .. }), "{e:?}");
+        let source = e.source().expect("the serde error is the source");
+        assert!(source.to_string().contains("line 1"), "{source}");
+        let e = reply_json(br#"{"error": {"code": "not a number"}}"#).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                JsError::Json {
+                    what: "reply error",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(matches!(
+            reply_json(br#"{"error": {"code": 404, "err_code": 10059, "description": "x"}}"#),
+            Err(JsError::Api {
+                code: 404,
+                err_code: 10059,
+                ..
+            })
+        ));
     }
 }

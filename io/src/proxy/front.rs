@@ -1,38 +1,39 @@
-//! The handlers of the OpenAI front and the life of a proxied request (see the
-//! [module docs](super)).
+//! The OpenAI front's listener and handlers, and the routing of a proxied request: its
+//! decision (with session affinity, [`super::session`]), the exchange with the chosen
+//! engine and the retries on the next-best worker (see the [module docs](super)). Reading
+//! the request is [`super::request`]'s; relaying the answer, [`super::relay`]'s.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::rc::Rc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_lite::io::AsyncWriteExt;
 use glommio::net::TcpListener;
-use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
-use kvrouter_core::decision::{DecideError, Decision};
+use kvrouter_core::decision::DecideError;
 use kvrouter_core::hash::{HashOptions, local_block_hashes};
 use kvrouter_core::worker::WorkerDp;
 use serde_json::Value as Json;
 
 use super::model::ModelCard;
+use super::relay::{Inflight, Life, ProxyBody};
+use super::request::Prompt;
 use super::rt::{Io, Timer};
 use super::stats::ProxyStats;
-use super::upstream::{Conn, Pool, Target};
-use super::{Backend, ProxyConfig};
-use crate::router::{Ask, State, Update};
+use super::upstream::{Pool, Target};
+use super::{Backend, ProxyConfig, ProxyError};
+use crate::routing::{Ask, Routing, Update};
 use crate::throttle::Throttle;
 
 /// Which OpenAI endpoint a request came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Endpoint {
+pub(super) enum Endpoint {
     Chat,
     Completions,
 }
@@ -46,20 +47,18 @@ impl Endpoint {
     }
 }
 
-/// The session header Dynamo's frontend and agentic clients send.
-const DYNAMO_SESSION: &str = "x-dynamo-session-id";
-
 /// The front's state: the router's, the models, the engines and the pool.
 pub(crate) struct Front {
-    state: Rc<RefCell<State>>,
-    cfg: ProxyConfig,
+    /// The routing state, shared with the routing API on this executor.
+    pub(super) state: Rc<RefCell<dyn Routing>>,
+    pub(super) cfg: ProxyConfig,
     models: Vec<(String, ModelCard)>,
     targets: HashMap<u64, Target>,
     dynamo: Option<Target>,
-    pool: Pool,
-    stats: Rc<ProxyStats>,
+    pub(super) pool: Pool,
+    pub(super) stats: Rc<ProxyStats>,
     /// Session → (worker, expiry in the executor's clock, ms).
-    sessions: RefCell<HashMap<String, (WorkerDp, u64)>>,
+    pub(super) sessions: RefCell<HashMap<String, (WorkerDp, u64)>>,
     warn: Throttle,
     created: u64,
 }
@@ -74,7 +73,7 @@ impl std::fmt::Debug for Front {
 }
 
 /// An OpenAI-style error answer.
-fn error(status: u16, kind: &str, message: impl AsRef<str>) -> Response<ProxyBody> {
+pub(super) fn error(status: u16, kind: &str, message: impl AsRef<str>) -> Response<ProxyBody> {
     let body = serde_json::json!({
         "error": {"message": message.as_ref(), "type": kind, "param": null, "code": status}
     });
@@ -98,7 +97,7 @@ fn json_response(status: u16, body: Vec<u8>, content_type: &'static str) -> Resp
 }
 
 /// Headers that describe one hop, not the message: never forwarded.
-fn hop_by_hop(name: &HeaderName) -> bool {
+pub(super) fn hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -117,14 +116,17 @@ fn hop_by_hop(name: &HeaderName) -> bool {
 
 impl Front {
     pub(crate) fn new(
-        state: Rc<RefCell<State>>,
+        state: Rc<RefCell<dyn Routing>>,
         cfg: ProxyConfig,
         stats: Rc<ProxyStats>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ProxyError> {
         let mut models = Vec::new();
         for m in &cfg.models {
-            let card = ModelCard::load(&m.dir)
-                .map_err(|e| format!("model {:?} ({}): {e}", m.name, m.dir.display()))?;
+            let card = ModelCard::load(&m.dir).map_err(|source| ProxyError::Model {
+                name: m.name.clone(),
+                dir: m.dir.clone(),
+                source,
+            })?;
             if !card.has_chat_template() {
                 tracing::warn!(model = %m.name, "no chat template: /v1/chat/completions answers 400 for it");
             }
@@ -196,57 +198,8 @@ impl Front {
         )
     }
 
-    fn card(&self, name: &str) -> Option<&ModelCard> {
+    pub(super) fn card(&self, name: &str) -> Option<&ModelCard> {
         self.models.iter().find(|(n, _)| n == name).map(|(_, c)| c)
-    }
-
-    /// The body, within its size limit and deadline.
-    async fn read_body(&self, body: Incoming) -> Result<Bytes, Response<ProxyBody>> {
-        let max = self.cfg.max_body_bytes;
-        let read = async {
-            match Limited::new(body, max).collect().await {
-                Ok(c) => Ok(c.to_bytes()),
-                Err(e)
-                    if e.downcast_ref::<http_body_util::LengthLimitError>()
-                        .is_some() =>
-                {
-                    Err(error(
-                        413,
-                        "invalid_request_error",
-                        format!("the body is over {max} bytes"),
-                    ))
-                }
-                Err(e) => Err(error(
-                    400,
-                    "invalid_request_error",
-                    format!("cannot read the body: {e}"),
-                )),
-            }
-        };
-        let late = async {
-            glommio::timer::sleep(self.cfg.body_timeout).await;
-            Err(error(
-                408,
-                "invalid_request_error",
-                "the body did not arrive in time",
-            ))
-        };
-        futures_lite::future::or(read, late).await
-    }
-
-    /// Reads and drops up to `max` bytes of a body, within the body deadline.
-    async fn drain(&self, mut body: Incoming, max: usize) {
-        let read = async {
-            let mut n = 0;
-            while n < max {
-                match body.frame().await {
-                    Some(Ok(f)) => n += f.data_ref().map_or(0, Bytes::len),
-                    _ => break,
-                }
-            }
-        };
-        let late = glommio::timer::sleep(self.cfg.body_timeout);
-        futures_lite::future::or(read, late).await;
     }
 
     /// A refused decision as the client sees it, counted as `/v1/route` counts it.
@@ -284,59 +237,17 @@ impl Front {
         inflight: Inflight,
     ) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
-        if let Some(n) = parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok())
-            && n > self.cfg.max_body_bytes
-        {
-            // Read (and drop) what the client is sending before answering, up to a bound:
-            // a client still writing when the connection closes sees a broken pipe, not
-            // the 413.
-            self.drain(body, n.min(4 * self.cfg.max_body_bytes)).await;
-            return error(
-                413,
-                "invalid_request_error",
-                format!("the body is over {} bytes", self.cfg.max_body_bytes),
-            );
-        }
-        let body = match self.read_body(body).await {
-            Ok(b) => b,
+        let Prompt {
+            body,
+            json,
+            model,
+            tokens,
+            stream,
+        } = match self.read_prompt(&parts.headers, body, ep).await {
+            Ok(p) => p,
             Err(r) => return r,
         };
-        let json: Json = match serde_json::from_slice(&body) {
-            Ok(j @ Json::Object(_)) => j,
-            Ok(_) => {
-                return error(
-                    400,
-                    "invalid_request_error",
-                    "the body must be a JSON object",
-                );
-            }
-            Err(e) => return error(400, "invalid_request_error", format!("malformed JSON: {e}")),
-        };
-        let Some(model) = json.get("model").and_then(Json::as_str) else {
-            return error(400, "invalid_request_error", "`model` is required");
-        };
-        let Some(card) = self.card(model) else {
-            return error(
-                404,
-                "model_not_found",
-                format!("the model `{model}` does not exist (GET /v1/models lists them)"),
-            );
-        };
-        let t = Instant::now();
-        let tokens = match ep {
-            Endpoint::Chat => card.chat_tokens(&json),
-            Endpoint::Completions => card.completion_tokens(&json),
-        };
-        let tokens = match tokens {
-            Ok(t) => t,
-            Err(e) => return error(400, "invalid_request_error", e.to_string()),
-        };
-        self.stats.tokenize.observe(t.elapsed().as_secs_f64());
-        let stream = json.get("stream").and_then(Json::as_bool).unwrap_or(false);
+        let model = model.as_str();
         let bs = self.state.borrow().block_size();
         if let Err(e) = self
             .state
@@ -439,15 +350,7 @@ impl Front {
                     last_error = format!("worker {} answered {}", d.worker, resp.status());
                 }
                 Ok((resp, conn)) => {
-                    let life = Life {
-                        front: Rc::clone(self),
-                        request_id: d.request_id.clone(),
-                        started,
-                        first: None,
-                        last: started,
-                        freed: false,
-                        _inflight: inflight,
-                    };
+                    let life = Life::new(Rc::clone(self), d.request_id.clone(), started, inflight);
                     return self.answer(resp, conn, d, life, stream).await;
                 }
                 Err(e) => {
@@ -468,73 +371,6 @@ impl Front {
         }
     }
 
-    /// The session a request names, if affinity is on.
-    fn session_of(&self, headers: &HeaderMap) -> Option<String> {
-        if self.cfg.session_ttl.is_zero() {
-            return None;
-        }
-        let named = self.cfg.session_header.as_deref();
-        headers
-            .get(DYNAMO_SESSION)
-            .or_else(|| named.and_then(|n| headers.get(n)))
-            .and_then(|v| v.to_str().ok())
-            .filter(|s| !s.is_empty() && s.len() <= 256)
-            .map(str::to_owned)
-    }
-
-    /// The decision, with session affinity: a session goes to its bound worker while that
-    /// one is a candidate with room; otherwise it is routed afresh and bound anew.
-    fn choose(
-        &self,
-        ask: Ask<'_>,
-        session: Option<&str>,
-        excluded: &[WorkerDp],
-    ) -> Result<Decision, DecideError> {
-        let mut st = self.state.borrow_mut();
-        let now = st.clock_ms();
-        if let Some(s) = session {
-            let bound = self
-                .sessions
-                .borrow()
-                .get(s)
-                .filter(|(_, exp)| *exp > now)
-                .map(|b| b.0);
-            if let Some(w) = bound {
-                if !excluded.contains(&w) && st.is_open(w) {
-                    match st.decide(ask.clone(), &[w]) {
-                        Ok(d) => {
-                            self.stats.add(&self.stats.session_bound, 1);
-                            self.bind(s, d.worker, now);
-                            return Ok(d);
-                        }
-                        Err(DecideError::WorkersFull { .. }) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                self.stats.add(&self.stats.session_yielded, 1);
-            }
-        }
-        let workers = st.candidates(excluded);
-        let d = st.decide(ask, &workers)?;
-        if let Some(s) = session {
-            self.bind(s, d.worker, now);
-        }
-        Ok(d)
-    }
-
-    fn bind(&self, session: &str, worker: WorkerDp, now: u64) {
-        let mut map = self.sessions.borrow_mut();
-        if map.len() >= self.cfg.max_sessions && !map.contains_key(session) {
-            map.retain(|_, (_, exp)| *exp > now);
-            if map.len() >= self.cfg.max_sessions {
-                return;
-            }
-        }
-        let ttl = self.cfg.session_ttl.as_millis() as u64;
-        map.insert(session.to_owned(), (worker, now + ttl));
-        self.stats.sessions.set(map.len() as u64);
-    }
-
     fn target_of(&self, w: WorkerDp) -> Option<Target> {
         match &self.dynamo {
             Some(t) => Some(t.clone()),
@@ -542,114 +378,9 @@ impl Front {
         }
     }
 
-    fn free(&self, request_id: &str) {
+    pub(super) fn free(&self, request_id: &str) {
         let _ = self.state.borrow_mut().update(request_id, Update::Free);
     }
-
-    /// The engine's answer, relayed.
-    async fn answer(
-        self: &Rc<Self>,
-        resp: Response<Incoming>,
-        conn: Conn,
-        d: Decision,
-        mut life: Life,
-        stream: bool,
-    ) -> Response<ProxyBody> {
-        let (parts, body) = resp.into_parts();
-        let mut out_headers = HeaderMap::new();
-        for (k, v) in &parts.headers {
-            if !hop_by_hop(k) {
-                out_headers.append(k, v.clone());
-            }
-        }
-        out_headers.insert(
-            "x-kvrouter-worker-id",
-            HeaderValue::from(d.worker.worker_id),
-        );
-        out_headers.insert("x-kvrouter-dp-rank", HeaderValue::from(d.worker.dp_rank));
-        out_headers.insert(
-            "x-kvrouter-overlap-blocks",
-            HeaderValue::from(d.overlap_blocks),
-        );
-        if let Ok(v) = HeaderValue::from_str(&d.request_id) {
-            out_headers.insert("x-kvrouter-request-id", v);
-        }
-        let streaming = stream && parts.status == StatusCode::OK;
-        if streaming {
-            let relay = Relay {
-                upstream: body,
-                conn: Some(conn),
-                idle: glommio::timer::Timer::new(self.cfg.upstream.idle_timeout),
-                life,
-                done: false,
-            };
-            let mut r = Response::new(ProxyBody::Relay(Box::new(relay)));
-            *r.status_mut() = parts.status;
-            *r.headers_mut() = out_headers;
-            return r;
-        }
-        let idle = self.cfg.upstream.idle_timeout;
-        let read = async {
-            body.collect()
-                .await
-                .map(|c| c.to_bytes())
-                .map_err(|e| e.to_string())
-        };
-        let late = async {
-            glommio::timer::sleep(idle).await;
-            Err(format!("no answer within {idle:?}"))
-        };
-        let bytes = futures_lite::future::or(read, late).await;
-        match bytes {
-            Ok(bytes) => {
-                self.pool.put(conn, self.cfg.upstream.max_idle_per_engine);
-                self.usage(&bytes);
-                life.finish();
-                let mut r = Response::new(ProxyBody::full(bytes.to_vec()));
-                *r.status_mut() = parts.status;
-                *r.headers_mut() = out_headers;
-                r
-            }
-            Err(e) => {
-                life.finish();
-                self.stats.upstream_error("body");
-                error(502, "upstream_error", format!("worker {}: {e}", d.worker))
-            }
-        }
-    }
-
-    /// Counts the cached tokens an engine reports in an answer's `usage` (a JSON body, or
-    /// the `data:` lines of a stream chunk).
-    fn usage(&self, bytes: &[u8]) {
-        if memchr(bytes, b"cached_tokens").is_none() {
-            return;
-        }
-        let seen = |v: &Json| {
-            let u = &v["usage"];
-            if let Some(c) = u["prompt_tokens_details"]["cached_tokens"].as_u64() {
-                self.stats.add(&self.stats.engine_cached_tokens, c);
-                self.stats.add(
-                    &self.stats.engine_reported_prompt_tokens,
-                    u["prompt_tokens"].as_u64().unwrap_or(0),
-                );
-            }
-        };
-        if let Ok(v) = serde_json::from_slice::<Json>(bytes) {
-            seen(&v);
-            return;
-        }
-        for line in bytes.split(|&b| b == b'\n') {
-            if let Some(data) = line.strip_prefix(b"data: ")
-                && let Ok(v) = serde_json::from_slice::<Json>(data)
-            {
-                seen(&v);
-            }
-        }
-    }
-}
-
-fn memchr(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// The body for a Dynamo frontend in direct mode: the request with the chosen worker and
@@ -663,192 +394,6 @@ fn dynamo_body(json: &Json, worker: WorkerDp, tokens: &[u32]) -> Bytes {
     j["nvext"]["dp_rank"] = Json::from(worker.dp_rank);
     j["nvext"]["token_data"] = Json::from(tokens.to_vec());
     Bytes::from(serde_json::to_vec(&j).unwrap_or_default())
-}
-
-/// Counts a request in flight until dropped.
-struct Inflight(Rc<ProxyStats>);
-
-impl Inflight {
-    fn new(stats: Rc<ProxyStats>) -> Self {
-        stats.inflight.set(stats.inflight.get() + 1);
-        Inflight(stats)
-    }
-}
-
-impl Drop for Inflight {
-    fn drop(&mut self) {
-        self.0.inflight.set(self.0.inflight.get().saturating_sub(1));
-    }
-}
-
-/// An active request's slot, from its answer's headers to its end: the first chunk marks
-/// its prefill done, its end frees it; dropped before the end (the client left), it is
-/// freed and counted as a disconnect.
-struct Life {
-    front: Rc<Front>,
-    request_id: String,
-    started: Instant,
-    first: Option<Instant>,
-    last: Instant,
-    freed: bool,
-    _inflight: Inflight,
-}
-
-impl Life {
-    fn chunk(&mut self) {
-        let now = Instant::now();
-        match self.first {
-            None => {
-                self.first = Some(now);
-                let _ = self
-                    .front
-                    .state
-                    .borrow_mut()
-                    .update(&self.request_id, Update::FirstToken);
-                self.front
-                    .stats
-                    .ttft
-                    .observe((now - self.started).as_secs_f64());
-            }
-            Some(_) => self
-                .front
-                .stats
-                .itl
-                .observe((now - self.last).as_secs_f64()),
-        }
-        self.last = now;
-    }
-
-    fn finish(&mut self) {
-        if !self.freed {
-            self.freed = true;
-            self.front.free(&self.request_id);
-            self.front
-                .stats
-                .e2e
-                .observe(self.started.elapsed().as_secs_f64());
-        }
-    }
-}
-
-impl Drop for Life {
-    fn drop(&mut self) {
-        if !self.freed {
-            self.front
-                .stats
-                .add(&self.front.stats.client_disconnects, 1);
-            self.finish();
-        }
-    }
-}
-
-/// A streamed answer on its way to the client.
-struct Relay {
-    upstream: Incoming,
-    /// The engine connection; back to the pool at the end, dropped (closed) otherwise.
-    conn: Option<Conn>,
-    idle: glommio::timer::Timer,
-    life: Life,
-    done: bool,
-}
-
-/// An SSE event the OpenAI SDKs raise as an error.
-fn error_event(message: &str) -> Bytes {
-    let v = serde_json::json!({"error": {"message": message, "type": "upstream_error", "param": null, "code": 502}});
-    Bytes::from(format!("data: {v}\n\n"))
-}
-
-impl Relay {
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        if self.done {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut self.upstream).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref()
-                    && !data.is_empty()
-                {
-                    self.life.chunk();
-                    self.life.front.usage(data);
-                }
-                self.idle.reset(self.life.front.cfg.upstream.idle_timeout);
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                self.done = true;
-                self.life.front.stats.upstream_error("stream");
-                self.life.finish();
-                Poll::Ready(Some(Ok(Frame::data(error_event(&format!(
-                    "the engine's stream broke: {e}"
-                ))))))
-            }
-            Poll::Ready(None) => {
-                self.done = true;
-                self.life.finish();
-                if let Some(c) = self.conn.take() {
-                    self.life
-                        .front
-                        .pool
-                        .put(c, self.life.front.cfg.upstream.max_idle_per_engine);
-                }
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                if Pin::new(&mut self.idle).poll(cx).is_ready() {
-                    self.done = true;
-                    self.life.front.stats.upstream_error("idle_timeout");
-                    self.life.finish();
-                    self.conn = None;
-                    return Poll::Ready(Some(Ok(Frame::data(error_event(
-                        "the engine sent nothing for too long",
-                    )))));
-                }
-                Poll::Pending
-            }
-        }
-    }
-}
-
-/// The body of a proxy answer: whole, or relayed.
-enum ProxyBody {
-    Full(Option<Bytes>),
-    Relay(Box<Relay>),
-}
-
-impl ProxyBody {
-    fn full(b: impl Into<Bytes>) -> Self {
-        ProxyBody::Full(Some(b.into()))
-    }
-}
-
-impl Body for ProxyBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        match self.get_mut() {
-            ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Relay(r) => r.poll(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            ProxyBody::Full(b) => b.is_none(),
-            ProxyBody::Relay(r) => r.done,
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            ProxyBody::Full(None) => SizeHint::with_exact(0),
-            ProxyBody::Relay(_) => SizeHint::default(),
-        }
-    }
 }
 
 /// Accepts client connections until the executor stops.

@@ -24,22 +24,58 @@
 //! for whole generations, and its clients are OpenAI SDKs, not gateways. Each has its own
 //! connection cap and deadlines, and either can be exposed alone.
 //!
+//! The front sees the router's state only through the crate's `routing::Routing` (the
+//! router starts the front; the front never imports the router).
+//!
 //! Rooms: [`model`] (tokenizer and chat template), [`upstream`] (the engine client and its
-//! pool), [`front`] (the handlers and the request's life), [`stats`] (`/metrics`),
-//! [`rt`] (hyper on glommio).
+//! pool), [`front`] (the listener, the handlers and the routing of a request with its
+//! retries), [`request`] (reading a request's body and tokenising its prompt),
+//! [`session`] (session affinity), [`relay`] (the engine's answer back to the client and
+//! the request's life until it is freed), [`stats`] (`/metrics`), [`rt`] (hyper on
+//! glommio).
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 mod front;
 pub mod model;
+mod relay;
+mod request;
 mod rt;
+mod session;
 mod stats;
 mod upstream;
 
 pub(crate) use front::{Front, serve};
 pub(crate) use stats::ProxyStats;
 pub use upstream::{Target, UpstreamConfig};
+
+/// Why the OpenAI front could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProxyError {
+    /// Its address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A served model's card could not be loaded.
+    #[error("model {name:?} ({})", dir.display())]
+    Model {
+        /// The name clients ask for.
+        name: String,
+        /// Its card's folder.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: model::CardError,
+    },
+}
 
 /// Where the proxy sends a request.
 #[derive(Debug, Clone)]
@@ -67,7 +103,7 @@ pub struct ModelSpec {
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
     /// Where it listens.
-    pub listen: std::net::SocketAddr,
+    pub listen: SocketAddr,
     /// The models it serves (every worker serves each).
     pub models: Vec<ModelSpec>,
     /// Where requests go.

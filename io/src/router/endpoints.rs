@@ -20,6 +20,8 @@ use super::input::{RouteInput, route_input};
 use super::metrics::{self, ApiCounters, DecisionTimes};
 use crate::http::{HttpStats, Request, Response, decode_segment};
 use crate::ingest::IngestView;
+use crate::proxy::ProxyStats;
+use crate::routing::{Ask, Routing, Update};
 
 #[derive(Debug, Serialize)]
 struct RouteOutput {
@@ -76,7 +78,7 @@ pub(crate) struct State {
     times: DecisionTimes,
     replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
     /// The OpenAI front's counters, when it runs (rendered in `/metrics` too).
-    pub(crate) proxy: Option<Rc<crate::proxy::ProxyStats>>,
+    pub(crate) proxy: Option<Rc<ProxyStats>>,
     /// The candidates from the static list and the ingest, sorted, as of the ingest's
     /// membership `known_at`.
     known: Vec<WorkerDp>,
@@ -235,70 +237,6 @@ impl State {
             candidates: d.scored,
         };
         Response::json(200, serde_json::to_vec(&out).unwrap_or_default())
-    }
-
-    /// The one decision every front makes (`/v1/route`, the OpenAI proxy): `workers`
-    /// (sorted, distinct) are the candidates; the request becomes active on the worker
-    /// chosen and, with replica sync, the other replicas hear of it.
-    pub(crate) fn decide(
-        &mut self,
-        ask: Ask<'_>,
-        workers: &[WorkerDp],
-    ) -> Result<Decision, DecideError> {
-        let seqs: Vec<u64> = sequence_hashes(ask.locals)
-            .into_iter()
-            .map(|s| s.0)
-            .collect();
-        // The replicas need their own copy of the blocks; without replica sync, no copy.
-        let replicated = self.replica_tx.is_some().then(|| seqs.clone());
-        let now = self.now_ms();
-        let route = Route {
-            locals: ask.locals,
-            tokens: ask.tokens,
-            request_id: ask.request_id,
-            explain: ask.explain,
-        };
-        let index = Self::index(&self.ingest, self.cfg.kv_events);
-        let d = self.decider.decide(index, workers, route, seqs, now)?;
-        if let Some(seqs) = replicated {
-            self.replicate(
-                &d.request_id,
-                d.worker,
-                ask.lora_name,
-                ActiveSequenceEventData::AddRequest {
-                    token_sequence: Some(seqs),
-                    track_prefill_tokens: true,
-                    expected_output_tokens: None,
-                    prefill_load_hint: Some(PrefillLoadHint {
-                        initial_effective_prefill_tokens: d.prefill_tokens,
-                        expected_prefill_duration: None,
-                    }),
-                },
-            );
-        }
-        self.counters.routes += 1;
-        Ok(d)
-    }
-
-    /// The answer to a decision that was refused, counted by its cause.
-    pub(crate) fn refusal(&mut self, e: &DecideError) -> Response {
-        let c = &mut self.counters;
-        match e {
-            DecideError::NoWorkers => Response::error(503, e.to_string()).with_retry_after(1),
-            DecideError::TooManyBlocks { .. } => {
-                c.too_large += 1;
-                Response::error(413, e.to_string())
-            }
-            DecideError::BadRequestId(_) => {
-                c.bad_request_ids += 1;
-                Response::error(400, e.to_string())
-            }
-            DecideError::Overloaded { .. } | DecideError::WorkersFull { .. } => {
-                c.overloaded += 1;
-                Response::error(429, e.to_string()).with_retry_after(1)
-            }
-            _ => Response::error(409, e.to_string()),
-        }
     }
 
     fn overlaps(&mut self, input: RouteInput) -> Response {
@@ -476,10 +414,67 @@ impl State {
             Err(e) => Response::error(404, e.to_string()),
         }
     }
+}
 
-    /// A request's prefill is done or it finished, as every front reports it; the other
-    /// replicas hear of it.
-    pub(crate) fn update(&mut self, id: &str, update: Update) -> Result<WorkerDp, SlotError> {
+/// The routing state as every front sees it (the proxy through `dyn Routing`).
+impl Routing for State {
+    fn decide(&mut self, ask: Ask<'_>, workers: &[WorkerDp]) -> Result<Decision, DecideError> {
+        let seqs: Vec<u64> = sequence_hashes(ask.locals)
+            .into_iter()
+            .map(|s| s.0)
+            .collect();
+        // The replicas need their own copy of the blocks; without replica sync, no copy.
+        let replicated = self.replica_tx.is_some().then(|| seqs.clone());
+        let now = self.now_ms();
+        let route = Route {
+            locals: ask.locals,
+            tokens: ask.tokens,
+            request_id: ask.request_id,
+            explain: ask.explain,
+        };
+        let index = Self::index(&self.ingest, self.cfg.kv_events);
+        let d = self.decider.decide(index, workers, route, seqs, now)?;
+        if let Some(seqs) = replicated {
+            self.replicate(
+                &d.request_id,
+                d.worker,
+                ask.lora_name,
+                ActiveSequenceEventData::AddRequest {
+                    token_sequence: Some(seqs),
+                    track_prefill_tokens: true,
+                    expected_output_tokens: None,
+                    prefill_load_hint: Some(PrefillLoadHint {
+                        initial_effective_prefill_tokens: d.prefill_tokens,
+                        expected_prefill_duration: None,
+                    }),
+                },
+            );
+        }
+        self.counters.routes += 1;
+        Ok(d)
+    }
+
+    fn refusal(&mut self, e: &DecideError) -> Response {
+        let c = &mut self.counters;
+        match e {
+            DecideError::NoWorkers => Response::error(503, e.to_string()).with_retry_after(1),
+            DecideError::TooManyBlocks { .. } => {
+                c.too_large += 1;
+                Response::error(413, e.to_string())
+            }
+            DecideError::BadRequestId(_) => {
+                c.bad_request_ids += 1;
+                Response::error(400, e.to_string())
+            }
+            DecideError::Overloaded { .. } | DecideError::WorkersFull { .. } => {
+                c.overloaded += 1;
+                Response::error(429, e.to_string()).with_retry_after(1)
+            }
+            _ => Response::error(409, e.to_string()),
+        }
+    }
+
+    fn update(&mut self, id: &str, update: Update) -> Result<WorkerDp, SlotError> {
         let now = self.now_ms();
         let (result, data) = match update {
             Update::FirstToken => (
@@ -494,8 +489,7 @@ impl State {
         result
     }
 
-    /// The candidates of a decision now: every known worker, less those in `exclude`.
-    pub(crate) fn candidates(&mut self, exclude: &[WorkerDp]) -> Vec<WorkerDp> {
+    fn candidates(&mut self, exclude: &[WorkerDp]) -> Vec<WorkerDp> {
         let mut v = self.known_workers();
         if !exclude.is_empty() {
             v.retain(|w| !exclude.contains(w));
@@ -503,23 +497,19 @@ impl State {
         v
     }
 
-    /// Whether `worker` is a candidate now and has room for one more request.
-    pub(crate) fn is_open(&mut self, worker: WorkerDp) -> bool {
+    fn is_open(&mut self, worker: WorkerDp) -> bool {
         self.known_workers().binary_search(&worker).is_ok() && !self.decider.slots().is_full(worker)
     }
 
-    /// The executor's clock, milliseconds since the service started.
-    pub(crate) fn clock_ms(&self) -> u64 {
+    fn clock_ms(&self) -> u64 {
         self.now_ms()
     }
 
-    /// Whether the index is ready (the routing API's `/healthz`).
-    pub(crate) fn is_healthy(&self) -> bool {
+    fn is_healthy(&self) -> bool {
         self.healthy()
     }
 
-    /// The routing API's `/metrics` text.
-    pub(crate) fn metrics_text(&self) -> String {
+    fn metrics_text(&self) -> String {
         let mut out = metrics::render(
             &self.counters,
             &self.http,
@@ -534,39 +524,13 @@ impl State {
         out
     }
 
-    /// Tokens per KV block.
-    pub(crate) fn block_size(&self) -> u32 {
+    fn block_size(&self) -> u32 {
         self.cfg.block_size
     }
 
-    /// The most blocks one request may have (413 past it), checked before any hashing.
-    pub(crate) fn check_blocks(&self, blocks: usize) -> Result<(), DecideError> {
+    fn check_blocks(&self, blocks: usize) -> Result<(), DecideError> {
         self.decider.check_blocks(blocks)
     }
-}
-
-/// What a front asks of [`State::decide`].
-#[derive(Debug, Clone)]
-pub(crate) struct Ask<'a> {
-    /// The request's local block hashes.
-    pub(crate) locals: &'a [LocalBlockHash],
-    /// Its prompt tokens.
-    pub(crate) tokens: u64,
-    /// Its id (`None`: one is made up).
-    pub(crate) request_id: Option<&'a str>,
-    /// Its LoRA adapter (replica sync names it).
-    pub(crate) lora_name: Option<String>,
-    /// Keep every candidate's cost terms.
-    pub(crate) explain: bool,
-}
-
-/// What a front reports of an active request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Update {
-    /// Its first token came: its prefill is done.
-    FirstToken,
-    /// It finished (answered, failed, or its client left).
-    Free,
 }
 
 #[cfg(test)]

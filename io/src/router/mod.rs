@@ -19,9 +19,10 @@
 //!
 //! Rooms: [`input`] parses route bodies (the binary framing, the JSON fast path),
 //! [`endpoints`] holds the executor's state and answers each endpoint (every decision is
-//! [`kvrouter_core::decision::Decider::decide`], the one the harness measures),
+//! [`kvrouter_core::decision::Decider::decide`], the one the harness measures; what a
+//! front sees of the state, the OpenAI proxy included, is the crate's `routing::Routing`),
 //! [`metrics`] renders `/metrics`, [`replica`] runs replica sync; this file starts and
-//! stops the executor.
+//! stops the executor and, when configured, the OpenAI front on the same executor.
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -38,13 +39,13 @@ use kvrouter_core::worker::WorkerDp;
 use crate::http::{self, HttpConfig, Request, Response};
 use crate::ingest::IngestView;
 use crate::nats::{Client, NatsError, Options};
+use crate::proxy::{self, ProxyConfig, ProxyError, ProxyStats};
 
 mod endpoints;
 mod input;
 mod metrics;
 mod replica;
 
-pub(crate) use endpoints::{Ask, State, Update};
 pub use input::BINARY_HASHES;
 
 /// Settings of the router service.
@@ -89,7 +90,7 @@ pub struct RouterConfig {
     /// core, wasted CPU on a shared one.
     pub spin_before_park: Option<Duration>,
     /// The OpenAI-compatible front, on its own listener (absent: not served).
-    pub proxy: Option<crate::proxy::ProxyConfig>,
+    pub proxy: Option<ProxyConfig>,
 }
 
 impl Default for RouterConfig {
@@ -137,9 +138,9 @@ pub enum RouterError {
     /// The API's executor stopped before it listened.
     #[error("the API executor stopped while starting")]
     Stopped,
-    /// The OpenAI front's address could not be bound, or a model card not loaded.
-    #[error("the OpenAI front: {0}")]
-    Proxy(String),
+    /// The OpenAI front could not start (its address, a model card).
+    #[error("the OpenAI front could not start")]
+    Proxy(#[source] ProxyError),
     /// Replica sync could not reach NATS.
     #[error("replica sync")]
     ReplicaSync(#[source] NatsError),
@@ -315,25 +316,27 @@ async fn run(
     if let Some(pc) = cfg.proxy.clone() {
         let listener = match glommio::net::TcpListener::bind(pc.listen) {
             Ok(l) => l,
-            Err(e) => {
-                let _ = addr_tx.send(Err(RouterError::Proxy(format!(
-                    "cannot listen on {}: {e}",
-                    pc.listen
-                ))));
+            Err(source) => {
+                let _ = addr_tx.send(Err(RouterError::Proxy(ProxyError::Listen {
+                    addr: pc.listen,
+                    source: source.into(),
+                })));
                 return;
             }
         };
         proxy_addr = Some(listener.local_addr().unwrap_or(pc.listen));
-        let stats = Rc::new(crate::proxy::ProxyStats::default());
+        let stats = Rc::new(ProxyStats::default());
         state.borrow_mut().proxy = Some(Rc::clone(&stats));
-        let front = match crate::proxy::Front::new(Rc::clone(&state), pc, stats) {
+        // The front sees the state as `dyn Routing` (it never imports the router).
+        let routing = Rc::clone(&state);
+        let front = match proxy::Front::new(routing, pc, stats) {
             Ok(f) => Rc::new(f),
             Err(e) => {
                 let _ = addr_tx.send(Err(RouterError::Proxy(e)));
                 return;
             }
         };
-        glommio::spawn_local(crate::proxy::serve(listener, front)).detach();
+        glommio::spawn_local(proxy::serve(listener, front)).detach();
         tracing::info!(addr = ?proxy_addr, "OpenAI front listening");
     }
     let _ = addr_tx.send(Ok((addr, proxy_addr)));
