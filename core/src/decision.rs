@@ -27,7 +27,8 @@
 use crate::codec::replica::{ActiveSequenceEvent, ActiveSequenceEventData};
 use crate::hash::LocalBlockHash;
 use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TierScores, TreeReader};
-use crate::policy::{CostConfig, Rng, Scored, choose, score};
+use crate::policy::{CostConfig, Formula, Rng, Scored, choose, score};
+use crate::prefill::PrefillTimes;
 use crate::slots::{SlotError, Slots};
 use crate::worker::{WorkerDp, WorkerId};
 
@@ -291,6 +292,8 @@ pub struct Decider {
     overlaps: OverlapScores,
     /// Its lower-tier overlaps.
     tiers: TierScores,
+    /// Learned prefill times and queues ([`Formula::Time`] only).
+    prefill: Option<PrefillTimes>,
 }
 
 impl Decider {
@@ -307,8 +310,15 @@ impl Decider {
             round_robin: 0,
             overlaps: OverlapScores::new(),
             tiers: TierScores::new(),
+            prefill: (cfg.cost.formula == Formula::Time && cfg.selection == Selection::Cost)
+                .then(|| PrefillTimes::new(cfg.cost.prior)),
             cfg,
         }
+    }
+
+    /// The learned prefill times (with [`Formula::Time`]).
+    pub fn prefill_times(&self) -> Option<&PrefillTimes> {
+        self.prefill.as_ref()
     }
 
     /// Its settings.
@@ -448,6 +458,7 @@ impl Decider {
         self.look_up(index, route.locals, now_ms);
         self.look_up_tiers(index, route.locals, Some(&blocks));
         let mut scored = None;
+        let mut credited_tokens = 0;
         let position = match self.cfg.selection {
             Selection::Cost => {
                 let mut candidates = self.slots.candidates(workers, &blocks, &self.overlaps);
@@ -458,6 +469,14 @@ impl Decider {
                         c.disk_overlap_blocks = t.disk;
                     }
                 }
+                if let Some(p) = &self.prefill {
+                    for c in &mut candidates {
+                        let active = self.slots.load(c.worker).active_requests;
+                        c.decoding_requests = active.saturating_sub(p.pending(c.worker));
+                        c.wait_ms = p.wait_ms(c.worker, now_ms);
+                        c.prefill_model = p.coefficients(c.worker);
+                    }
+                }
                 let s = score(
                     &self.cfg.cost,
                     route.tokens,
@@ -466,6 +485,8 @@ impl Decider {
                 );
                 // `s` is not empty (one per worker), so `choose` always picks.
                 let i = choose(&self.cfg.cost, &s, &mut self.rng).unwrap_or(0);
+                credited_tokens = (s[i].overlap_credit_blocks * f64::from(self.cfg.block_size))
+                    .min(route.tokens as f64) as u64;
                 if route.explain {
                     scored = Some(s);
                 }
@@ -504,6 +525,10 @@ impl Decider {
         };
         self.slots
             .add(&request_id, worker, blocks, prefill_tokens, now_ms)?;
+        if let Some(p) = &mut self.prefill {
+            let new = route.tokens - credited_tokens;
+            p.start(&request_id, worker, new, credited_tokens, now_ms);
+        }
         if let Some(approx) = &mut self.approx {
             approx.record(worker, route.locals, now_ms);
         }
@@ -519,11 +544,18 @@ impl Decider {
 
     /// The request produced its first token (its prefill charge is released).
     pub fn first_token(&mut self, request_id: &str, now_ms: u64) -> Result<WorkerDp, SlotError> {
-        self.slots.mark_prefill_done(request_id, now_ms)
+        let w = self.slots.mark_prefill_done(request_id, now_ms)?;
+        if let Some(p) = &mut self.prefill {
+            p.first_token(request_id, now_ms);
+        }
+        Ok(w)
     }
 
     /// The request finished: everything it held is released.
     pub fn free(&mut self, request_id: &str) -> Result<WorkerDp, SlotError> {
+        if let Some(p) = &mut self.prefill {
+            p.forget(request_id);
+        }
         self.slots.free(request_id)
     }
 
@@ -532,7 +564,14 @@ impl Decider {
         if let Some(approx) = &mut self.approx {
             approx.expire(now_ms);
         }
-        self.slots.expire(now_ms)
+        let n = self.slots.expire(now_ms);
+        if n > 0
+            && let Some(p) = &mut self.prefill
+        {
+            let slots = &self.slots;
+            p.retain(|id| slots.worker_of(id).is_some());
+        }
+        n
     }
 
     /// A worker left the fleet: its requests are released and its approximate records
@@ -542,11 +581,17 @@ impl Decider {
         if let Some(approx) = &mut self.approx {
             approx.remove_worker(worker_id);
         }
+        if let Some(p) = &mut self.prefill {
+            p.remove_worker(worker_id);
+        }
     }
 
     /// One (worker, dp rank) left the fleet (the others of the worker stay).
     pub fn remove(&mut self, worker: WorkerDp) {
         self.slots.remove(worker);
+        if let Some(p) = &mut self.prefill {
+            p.remove(worker);
+        }
     }
 
     /// Applies another replica's slot change (its own messages are the caller's to skip).
@@ -581,13 +626,20 @@ impl Decider {
                     0
                 };
                 self.slots
-                    .add(&e.request_id, e.worker, blocks, prefill, now_ms)
-                    .map(|()| e.worker)
+                    .add(&e.request_id, e.worker, blocks, prefill, now_ms)?;
+                // Another replica's request waits in the same queue (its cached part is
+                // not sent: priced as all new).
+                if let Some(p) = &mut self.prefill
+                    && prefill > 0
+                {
+                    p.start(&e.request_id, e.worker, prefill, 0, now_ms);
+                }
+                Ok(e.worker)
             }
             ActiveSequenceEventData::MarkPrefillCompleted => {
-                self.slots.mark_prefill_done(&e.request_id, now_ms)
+                self.first_token(&e.request_id, now_ms)
             }
-            ActiveSequenceEventData::Free => self.slots.free(&e.request_id),
+            ActiveSequenceEventData::Free => self.free(&e.request_id),
         }
     }
 }
@@ -635,6 +687,66 @@ mod tests {
             request_id: id,
             explain: true,
         }
+    }
+
+    #[test]
+    fn the_time_cost_learns_each_workers_prefill_from_its_first_tokens() {
+        use crate::policy::CostConfig;
+        use crate::prefill::Prior;
+        let idx = index();
+        let mut d = Decider::new(DeciderConfig {
+            block_size: 16,
+            cost: CostConfig {
+                prior: Prior {
+                    base_ms: 10.0,
+                    ms_per_ktoken: 100.0,
+                    ms_per_mpair: 0.0,
+                    variance: 1e4,
+                },
+                ..CostConfig::time()
+            },
+            ..Default::default()
+        });
+        let l = locals(&[1, 2, 3, 4]);
+        let out = d
+            .decide(Some(&idx), &W, route(&l, Some("a")), seqs(&l), 0)
+            .unwrap();
+        // Worker 2 caches 3 of 4 blocks: 16 new tokens behind 48 cached.
+        assert_eq!(out.worker, W[1]);
+        let scored = out.scored.unwrap();
+        let mine = scored.iter().find(|s| s.candidate.worker == W[1]).unwrap();
+        assert!(
+            (mine.prefill_ms - (10.0 + 100.0 * 0.016)).abs() < 1e-9,
+            "{mine:?}"
+        );
+        let p = d.prefill_times().unwrap();
+        assert_eq!(p.waiting(), 1);
+        assert!(p.wait_ms(W[1], 0) > 0.0);
+        // Its first token after 500 ms: a sample, and the queue is empty again.
+        d.first_token("a", 500).unwrap();
+        let p = d.prefill_times().unwrap();
+        assert_eq!(p.model(W[1]).unwrap().samples(), 1);
+        assert_eq!(p.waiting(), 0);
+        assert_eq!(p.wait_ms(W[1], 500), 0.0);
+        assert!(p.prefill_ms(W[1], 16, 48) > 11.6);
+        // A request freed before its first token leaves the queue without a sample.
+        let l2 = locals(&[9, 8]);
+        let out = d
+            .decide(Some(&idx), &W, route(&l2, Some("b")), seqs(&l2), 600)
+            .unwrap();
+        d.free("b").unwrap();
+        let p = d.prefill_times().unwrap();
+        assert_eq!(p.waiting(), 0);
+        assert_eq!(p.wait_ms(out.worker, 600), 0.0);
+        // A worker that leaves takes its model with it.
+        d.remove(W[1]);
+        assert!(d.prefill_times().unwrap().model(W[1]).is_none());
+        // The block formula keeps no prefill times.
+        assert!(
+            Decider::new(DeciderConfig::default())
+                .prefill_times()
+                .is_none()
+        );
     }
 
     #[test]

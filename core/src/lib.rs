@@ -39,6 +39,7 @@ pub mod index;
 pub mod nats;
 pub mod policy;
 pub mod prefetch;
+pub mod prefill;
 pub mod recovery;
 pub mod replay;
 pub mod slots;

@@ -57,6 +57,31 @@ use serde::{Deserialize, Serialize};
 
 use crate::worker::WorkerDp;
 
+/// What a cost counts in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Formula {
+    /// Blocks: Dynamo's formula with our weights (`prefill_load_scale`,
+    /// `new_block_weight`), or Dynamo's own with [`CostConfig::dynamo`].
+    #[default]
+    Blocks,
+    /// Milliseconds: predicted TTFT plus the delay the prefill adds to the requests
+    /// decoding there, from each worker's learned prefill time ([`crate::prefill`]).
+    Time,
+}
+
+impl std::str::FromStr for Formula {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "blocks" => Ok(Formula::Blocks),
+            "time" => Ok(Formula::Time),
+            other => Err(format!("unknown cost formula {other:?} (blocks, time)")),
+        }
+    }
+}
+
 /// Herd-resistance option.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -97,6 +122,17 @@ pub struct CostConfig {
     pub max_active_prefill_tokens: Option<u64>,
     /// Herd-resistance option.
     pub herd: Herd,
+    /// Credit the prefix held by the candidate's active requests as device overlap when
+    /// it is longer than the index's (see the module docs, "What the approximate mode
+    /// knows"); off in Dynamo.
+    pub credit_inflight: bool,
+    /// Blocks or time.
+    pub formula: Formula,
+    /// With [`Formula::Time`]: weight of the delay a prefill adds to each request decoding
+    /// on the candidate (every step that carries a prefill chunk holds their next token).
+    pub decode_delay_weight: f64,
+    /// With [`Formula::Time`]: the prefill model of a worker not yet observed.
+    pub prior: crate::prefill::Prior,
 }
 
 impl Default for CostConfig {
@@ -134,6 +170,10 @@ impl CostConfig {
             ("prefill_load_scale", self.prefill_load_scale),
             ("new_block_weight", self.new_block_weight),
             ("temperature", self.temperature),
+            ("decode_delay_weight", self.decode_delay_weight),
+            ("prior.base_ms", self.prior.base_ms),
+            ("prior.ms_per_ktoken", self.prior.ms_per_ktoken),
+            ("prior.ms_per_mpair", self.prior.ms_per_mpair),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(CostError {
@@ -143,7 +183,25 @@ impl CostConfig {
                 });
             }
         }
+        if !(self.prior.variance.is_finite() && self.prior.variance > 0.0) {
+            return Err(CostError {
+                name: "prior.variance",
+                value: self.prior.variance,
+                rule: "finite and above 0",
+            });
+        }
         Ok(())
+    }
+
+    /// The time-based cost ([`Formula::Time`]) with in-flight credit, on our other
+    /// defaults.
+    pub fn time() -> Self {
+        Self {
+            formula: Formula::Time,
+            credit_inflight: true,
+            decode_delay_weight: 1.0,
+            ..Self::default()
+        }
     }
 
     /// NVIDIA Dynamo 1.6.1's defaults: the plain formula (`new_block_weight` 0) with
@@ -161,6 +219,10 @@ impl CostConfig {
             max_active_decode_blocks: None,
             max_active_prefill_tokens: None,
             herd: Herd::Off,
+            credit_inflight: false,
+            formula: Formula::Blocks,
+            decode_delay_weight: 0.0,
+            prior: crate::prefill::Prior::default(),
         }
     }
 }
@@ -198,6 +260,17 @@ pub struct Candidate {
     /// query to the shared cache (SGLang HiCache), not from KV events; kvrouter has no such
     /// source yet, so every front leaves it 0.
     pub shared_beyond_blocks: u32,
+    /// Leading request blocks that requests routed to it and still active hold (the slot
+    /// manager's view: blocks its prefills are computing or have computed, before or
+    /// whether or not their KV events arrived).
+    pub inflight_overlap_blocks: u32,
+    /// Its requests past their prefill (decoding), for [`Formula::Time`].
+    pub decoding_requests: u64,
+    /// Predicted wait before a request routed now starts its prefill there, ms
+    /// ([`Formula::Time`]).
+    pub wait_ms: f64,
+    /// Its prefill model's coefficients `[b0, b1, b2]` ([`crate::prefill::features`]).
+    pub prefill_model: [f64; 3],
 }
 
 /// A candidate's cost, with its terms (for `explain`).
@@ -220,6 +293,13 @@ pub struct Scored {
     pub fresh_prefill_blocks: f64,
     /// The potential decode blocks.
     pub decode_blocks: f64,
+    /// [`Formula::Time`]: the request's own predicted prefill there, ms.
+    pub prefill_ms: f64,
+    /// [`Formula::Time`]: predicted TTFT there (`wait_ms + prefill_ms`), ms.
+    pub ttft_ms: f64,
+    /// [`Formula::Time`]: the delay its prefill adds to the requests decoding there
+    /// (`decode_delay_weight × prefill_ms × decoding_requests`), ms.
+    pub added_delay_ms: f64,
     /// The cost.
     pub cost: f64,
     /// Whether it passed the busy thresholds.
@@ -283,8 +363,13 @@ pub fn score(
         .map(|c| {
             let own = request_tokens as f64 / bs;
             let raw = c.active_prefill_tokens as f64 / bs + own;
+            let device = if cfg.credit_inflight {
+                c.device_overlap_blocks.max(c.inflight_overlap_blocks)
+            } else {
+                c.device_overlap_blocks
+            };
             let credits = Credits {
-                device: cfg.overlap_score_credit * c.device_overlap_blocks as f64,
+                device: cfg.overlap_score_credit * device as f64,
                 host: cfg.host_cache_hit_weight * c.host_overlap_blocks as f64,
                 disk: cfg.disk_cache_hit_weight * c.disk_overlap_blocks as f64,
                 shared: cfg.shared_cache_multiplier * c.shared_beyond_blocks as f64,
@@ -293,6 +378,24 @@ pub fn score(
             let adjusted = (raw - credit).max(0.0);
             let fresh = (own - credit).max(0.0);
             let decode = c.potential_decode_blocks as f64;
+            let (prefill_ms, ttft_ms, added_delay_ms, time_cost) = match cfg.formula {
+                Formula::Blocks => (0.0, 0.0, 0.0, 0.0),
+                Formula::Time => {
+                    // Credited blocks are cached context; the rest is prefilled.
+                    let cached = (credit * bs).min(request_tokens as f64);
+                    let new = request_tokens as f64 - cached;
+                    let x = crate::prefill::features(new as u64, cached as u64);
+                    let m = c.prefill_model;
+                    let prefill = (m[0] * x[0] + m[1] * x[1] + m[2] * x[2]).max(0.0);
+                    let ttft = c.wait_ms + prefill;
+                    let added = cfg.decode_delay_weight * prefill * c.decoding_requests as f64;
+                    // KV memory: the decode blocks at the price of a prefill block over
+                    // `prefill_load_scale`, as in the block formula.
+                    let block_ms = m[1] * bs / 1e3;
+                    let memory = block_ms / cfg.prefill_load_scale.max(1e-9) * decode;
+                    (prefill, ttft, added, ttft + added + memory)
+                }
+            };
             let eligible = cfg
                 .max_active_decode_blocks
                 .is_none_or(|m| c.active_decode_blocks <= m)
@@ -307,7 +410,15 @@ pub fn score(
                 adjusted_prefill_blocks: adjusted,
                 fresh_prefill_blocks: fresh,
                 decode_blocks: decode,
-                cost: cfg.prefill_load_scale * (adjusted + cfg.new_block_weight * fresh) + decode,
+                prefill_ms,
+                ttft_ms,
+                added_delay_ms,
+                cost: match cfg.formula {
+                    Formula::Blocks => {
+                        cfg.prefill_load_scale * (adjusted + cfg.new_block_weight * fresh) + decode
+                    }
+                    Formula::Time => time_cost,
+                },
                 eligible,
             }
         })
@@ -445,6 +556,92 @@ mod tests {
             choose(&CostConfig::default(), &scored, &mut Rng::new(1)),
             Some(1)
         );
+    }
+
+    #[test]
+    fn the_time_cost_weighs_the_queue_against_the_recompute() {
+        // 100 ms per request and 100 ms per 1,000 new tokens, no attention term.
+        let model = [100.0, 100.0, 0.0];
+        let time = CostConfig {
+            decode_delay_weight: 0.0,
+            ..CostConfig::time()
+        };
+        // W1 caches 60 of the 64 blocks (4,096 tokens at 64) but 2 s of prefill wait there;
+        // W2 caches nothing and waits for nothing.
+        let hot = Candidate {
+            wait_ms: 2000.0,
+            prefill_model: model,
+            ..cand(1, 60, 0)
+        };
+        let cold = Candidate {
+            prefill_model: model,
+            ..cand(2, 0, 0)
+        };
+        let s = score(&time, 4096, 64, &[hot, cold]);
+        // W1: 2,000 + 100 + 0.1 × 256 new tokens; W2: 100 + 0.1 × 4,096.
+        assert!((s[0].prefill_ms - 125.6).abs() < 1e-9, "{:?}", s[0]);
+        assert!((s[0].ttft_ms - 2125.6).abs() < 1e-9);
+        assert!((s[1].ttft_ms - 509.6).abs() < 1e-9);
+        assert_eq!(choose(&time, &s, &mut Rng::new(1)), Some(1));
+        // A shorter queue keeps it on its cache.
+        let s = score(
+            &time,
+            4096,
+            64,
+            &[
+                Candidate {
+                    wait_ms: 300.0,
+                    ..hot
+                },
+                cold,
+            ],
+        );
+        assert_eq!(choose(&time, &s, &mut Rng::new(1)), Some(0));
+        // Each request decoding on a worker pays for the prefill there once more.
+        let busy = Candidate {
+            decoding_requests: 3,
+            ..cold
+        };
+        let weighted = CostConfig {
+            decode_delay_weight: 1.0,
+            ..time
+        };
+        let s = score(&weighted, 4096, 64, &[busy]);
+        assert!((s[0].added_delay_ms - 3.0 * 509.6).abs() < 1e-9);
+        // The block formula leaves the time terms at 0.
+        let s = score(&CostConfig::default(), 4096, 64, &[hot]);
+        assert_eq!(
+            (s[0].prefill_ms, s[0].ttft_ms, s[0].added_delay_ms),
+            (0.0, 0.0, 0.0)
+        );
+    }
+
+    #[test]
+    fn inflight_credit_counts_the_prefix_active_requests_hold() {
+        // The index knows 2 blocks at W1, its active requests hold 6 (their prefill is
+        // still running, so no event has come yet).
+        let c = Candidate {
+            inflight_overlap_blocks: 6,
+            ..cand(1, 2, 0)
+        };
+        let off = score(&CostConfig::default(), 160, 16, &[c]);
+        let on = CostConfig {
+            credit_inflight: true,
+            ..CostConfig::default()
+        };
+        let on = score(&on, 160, 16, &[c]);
+        assert_eq!(off[0].overlap_credit_blocks, 2.0);
+        assert_eq!(on[0].overlap_credit_blocks, 6.0);
+        // The index's longer view wins when it is the longer.
+        let c = Candidate {
+            inflight_overlap_blocks: 1,
+            ..c
+        };
+        let on = CostConfig {
+            credit_inflight: true,
+            ..CostConfig::default()
+        };
+        assert_eq!(score(&on, 160, 16, &[c])[0].overlap_credit_blocks, 2.0);
     }
 
     #[test]

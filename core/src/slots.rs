@@ -533,26 +533,30 @@ impl Slots {
             "sequence hashes of one request repeat"
         );
         let n = blocks.len() as u64;
-        let busy: Map<WorkerDp, u64> = self
+        // Per busy worker: (potential blocks, the prefix its active requests hold).
+        let busy: Map<WorkerDp, (u64, u32)> = self
             .workers
             .iter()
             .filter(|(_, s)| s.requests > 0)
             .map(|(&w, s)| {
-                let new = blocks.len() - held_prefix(blocks, &s.blocks);
-                (w, (s.blocks.len() + new) as u64)
+                let held = held_prefix(blocks, &s.blocks);
+                let new = blocks.len() - held;
+                (w, ((s.blocks.len() + new) as u64, held as u32))
             })
             .collect();
-        let potential = |w: WorkerDp| busy.get(&w).copied().unwrap_or(n);
+        let busy = |w: WorkerDp| busy.get(&w).copied().unwrap_or((n, 0));
         workers
             .iter()
             .map(|&w| {
                 let load = self.load(w);
+                let (potential, held) = busy(w);
                 Candidate {
                     worker: w,
                     active_prefill_tokens: load.active_prefill_tokens,
                     active_decode_blocks: load.active_blocks,
-                    potential_decode_blocks: potential(w),
+                    potential_decode_blocks: potential,
                     device_overlap_blocks: overlaps.get(w),
+                    inflight_overlap_blocks: held,
                     ..Default::default()
                 }
             })

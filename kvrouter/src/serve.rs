@@ -11,7 +11,8 @@ use anyhow::Context;
 use clap::Args;
 use kvrouter_core::codec::Subjects;
 use kvrouter_core::decision::Limits;
-use kvrouter_core::policy::{CostConfig, Herd};
+use kvrouter_core::policy::{CostConfig, Formula, Herd};
+use kvrouter_core::prefill::Prior;
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
 use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig, ZmqEngine};
@@ -174,6 +175,18 @@ pub(crate) struct ServeArgs {
     /// Softmax temperature (0: lowest cost).
     #[arg(long, env = "KVROUTER_TEMPERATURE")]
     temperature: Option<f64>,
+    /// What the cost counts: `blocks` (the block formula, default) or `time` (predicted
+    /// TTFT from prefill times learned online per worker; experimental, see OPERATIONS).
+    #[arg(long, env = "KVROUTER_COST_FORMULA")]
+    cost_formula: Option<Formula>,
+    /// Credit the prefix a worker's active requests hold as cached when it is longer than
+    /// what its KV events have shown yet.
+    #[arg(long, env = "KVROUTER_CREDIT_INFLIGHT")]
+    credit_inflight: Option<bool>,
+    /// With `--cost-formula time`: weight of the delay a prefill adds to each request
+    /// decoding on the candidate.
+    #[arg(long, env = "KVROUTER_DECODE_DELAY_WEIGHT")]
+    decode_delay_weight: Option<f64>,
     /// Herd resistance: power of two choices among the k cheapest (0: off).
     #[arg(long, env = "KVROUTER_HERD_K")]
     herd_k: Option<usize>,
@@ -280,6 +293,12 @@ pub(crate) struct ServeConfig {
     disk_cache_hit_weight: f64,
     shared_cache_multiplier: f64,
     temperature: f64,
+    cost_formula: Formula,
+    credit_inflight: bool,
+    decode_delay_weight: f64,
+    /// With `cost_formula = "time"`: the prefill model of a worker not yet observed
+    /// (TOML only).
+    prefill_prior: Prior,
     herd_k: usize,
     max_active_decode_blocks: Option<u64>,
     max_active_prefill_tokens: Option<u64>,
@@ -349,6 +368,10 @@ impl Default for ServeConfig {
             disk_cache_hit_weight: cost.disk_cache_hit_weight,
             shared_cache_multiplier: cost.shared_cache_multiplier,
             temperature: cost.temperature,
+            cost_formula: cost.formula,
+            credit_inflight: cost.credit_inflight,
+            decode_delay_weight: CostConfig::time().decode_delay_weight,
+            prefill_prior: cost.prior,
             herd_k: 0,
             max_active_decode_blocks: None,
             max_active_prefill_tokens: None,
@@ -529,6 +552,9 @@ impl ServeConfig {
             disk_cache_hit_weight,
             shared_cache_multiplier,
             temperature,
+            cost_formula,
+            credit_inflight,
+            decode_delay_weight,
             herd_k,
             models,
             worker_urls,
@@ -666,6 +692,10 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         max_active_decode_blocks: cfg.max_active_decode_blocks,
         max_active_prefill_tokens: cfg.max_active_prefill_tokens,
+        formula: cfg.cost_formula,
+        credit_inflight: cfg.credit_inflight,
+        decode_delay_weight: cfg.decode_delay_weight,
+        prior: cfg.prefill_prior,
     };
     cost.check().context("invalid cost weights")?;
     if cfg.durable_kv_events && !cfg.kv_events {
@@ -975,5 +1005,58 @@ mod tests {
             toml::from_str::<ServeConfig>("[[engines]]\nname = \"a\"\nevents = \"x\"\nport = 1\n")
                 .is_err()
         );
+    }
+
+    #[test]
+    fn the_cost_formula_from_toml_and_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let d = ServeConfig::default();
+        assert_eq!(
+            (d.cost_formula, d.credit_inflight),
+            (Formula::Blocks, false)
+        );
+        let cfg: ServeConfig = toml::from_str(
+            r#"
+            cost_formula = "time"
+            credit_inflight = true
+            decode_delay_weight = 0.5
+            [prefill_prior]
+            ms_per_ktoken = 60.0
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.cost_formula, Formula::Time);
+        assert!(cfg.credit_inflight);
+        assert_eq!(cfg.decode_delay_weight, 0.5);
+        assert_eq!(cfg.prefill_prior.ms_per_ktoken, 60.0);
+        assert_eq!(cfg.prefill_prior.base_ms, Prior::default().base_ms);
+        assert!(toml::from_str::<ServeConfig>("cost_formula = \"tokens\"").is_err());
+        assert!(toml::from_str::<ServeConfig>("[prefill_prior]\nbase = 1.0").is_err());
+        // Flags over the defaults.
+        let cli = Cli::try_parse_from([
+            "x",
+            "--cost-formula",
+            "time",
+            "--credit-inflight",
+            "true",
+            "--decode-delay-weight",
+            "2",
+        ])
+        .unwrap();
+        let cfg = ServeConfig::resolve(&cli.serve).unwrap();
+        assert_eq!(
+            (
+                cfg.cost_formula,
+                cfg.credit_inflight,
+                cfg.decode_delay_weight
+            ),
+            (Formula::Time, true, 2.0)
+        );
+        assert!(Cli::try_parse_from(["x", "--cost-formula", "tokens"]).is_err());
     }
 }
