@@ -25,9 +25,10 @@ pub(crate) struct BenchArgs {
     /// Mock workers.
     #[arg(long, default_value_t = 8)]
     workers: usize,
-    /// Arrival-time scale: 2 replays the trace twice as fast.
-    #[arg(long, default_value_t = 1.0)]
-    speed: f64,
+    /// Arrival-time scale: 2 replays the trace twice as fast. A comma-separated list
+    /// sweeps the load: every policy at every speed, side by side.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    speed: Vec<f64>,
     /// Replay only the first N requests.
     #[arg(long)]
     limit: Option<usize>,
@@ -62,6 +63,15 @@ pub(crate) struct BenchArgs {
     /// Our policies' softmax temperature (0: lowest cost wins).
     #[arg(long, default_value_t = CostConfig::default().temperature)]
     temperature: f64,
+    /// Our policies credit the prefix held by a worker's active requests as cached.
+    #[arg(long, default_value_t = CostConfig::default().credit_inflight, action = clap::ArgAction::Set)]
+    credit_inflight: bool,
+    /// kv-time: weight of the delay a prefill adds to each request decoding there.
+    #[arg(long, default_value_t = CostConfig::time().decode_delay_weight)]
+    decode_delay_weight: f64,
+    /// kv-time credits the prefix held by a worker's active requests as cached.
+    #[arg(long, default_value_t = CostConfig::time().credit_inflight, action = clap::ArgAction::Set)]
+    time_credit_inflight: bool,
     /// Run in wall-clock time across processes: one `kvrouter bench-engine` process per
     /// worker and a `kvrouter serve` router, over this NATS server (policies one after
     /// another). Scale time with --speed and --engine-speedup together.
@@ -95,8 +105,14 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         bail!("--workers must be at least 1");
     }
     let positive = |x: f64| x > 0.0 && x.is_finite();
-    if !positive(args.speed) || !positive(args.engine.engine_speedup) {
+    if args.speed.is_empty()
+        || !args.speed.iter().all(|&s| positive(s))
+        || !positive(args.engine.engine_speedup)
+    {
         bail!("--speed and --engine-speedup must be positive");
+    }
+    if args.speed.len() > 1 && args.nats.is_some() {
+        bail!("a --speed list (a load sweep) runs in-process only");
     }
     if args.engine.host_blocks > 0 && args.nats.is_some() {
         bail!("--host-blocks runs in-process only (the networked engines publish the device tier)");
@@ -108,10 +124,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         bail!("--block-size must divide 512 (the trace's block size)");
     }
     let (text, name) = match &args.trace {
-        Some(p) => (
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-            p.display().to_string(),
-        ),
+        Some(p) => (read_trace(p)?, p.display().to_string()),
         None => (SAMPLE_TRACE.to_owned(), SAMPLE_NAME.to_owned()),
     };
     let trace = harness::load_trace(&text, args.limit)?;
@@ -120,7 +133,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     let cfg = SimConfig {
         workers: args.workers,
-        speed: args.speed,
+        speed: args.speed[0],
         seed: args.seed,
         engine: args.engine.config(),
         cost: CostConfig {
@@ -129,17 +142,30 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             new_block_weight: args.new_block_weight,
             host_cache_hit_weight: args.host_cache_hit_weight,
             temperature: args.temperature,
+            credit_inflight: args.credit_inflight,
             ..CostConfig::default()
+        },
+        time: CostConfig {
+            decode_delay_weight: args.decode_delay_weight,
+            credit_inflight: args.time_credit_inflight,
+            ..CostConfig::time()
         },
     };
     cfg.cost.check().context(
         "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --temperature)",
     )?;
-    let span_s = trace.last().map_or(0, |r| r.timestamp) as f64 / 1000.0 / args.speed;
+    let speeds = args.speed.clone();
+    let span_s = trace.last().map_or(0, |r| r.timestamp) as f64 / 1000.0;
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     eprintln!(
-        "trace {name}: {} requests over {span_s:.0} s (speed {}), {} workers × {} KV blocks of {} tokens; policies: {}",
+        "trace {name}: {} requests over {span_s:.0} s at speed 1 (speed {}), {} workers × {} KV blocks of {} tokens; policies: {}",
         trace.len(),
-        args.speed,
+        list(&speeds),
         args.workers,
         args.engine.kv_blocks,
         args.engine.block_size,
@@ -150,33 +176,74 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             .join(", ")
     );
     let started = Instant::now();
-    let ideals = Ideals::compute(&trace, &cfg);
-    let reports = match &args.nats {
-        None => run_all(&trace, &policies, &cfg, &ideals, args.jobs),
+    let hashes = harness::TraceHashes::new(&trace, cfg.engine.block_size);
+    let runs: Vec<Vec<PolicyReport>> = match &args.nats {
+        None => {
+            // The ideals are two single-cache replays of their own (the same at every
+            // speed): computed beside the policies, not before them.
+            let configs: Vec<SimConfig> = speeds
+                .iter()
+                .map(|&speed| SimConfig { speed, ..cfg })
+                .collect();
+            let (ideals, mut runs) = std::thread::scope(|s| {
+                let ideals = s.spawn(|| Ideals::compute(&trace, &hashes, &cfg));
+                let runs = run_all(&trace, &hashes, &policies, &configs, args.jobs);
+                (ideals.join(), runs)
+            });
+            let ideals = ideals.map_err(|_| anyhow::anyhow!("computing the ideals panicked"))?;
+            for r in runs.iter_mut().flatten() {
+                r.set_ideals(ideals);
+            }
+            runs
+        }
         Some(url) => {
+            let ideals = Ideals::compute(&trace, &hashes, &cfg);
             let net = NetConfig {
                 nats: url.clone(),
                 exe: std::env::current_exe().context("locating the kvrouter executable")?,
                 sim: cfg,
                 stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
             };
-            run_networked_all(&trace, &policies, &net, &ideals)?
+            vec![run_networked_all(&trace, &policies, &net, &ideals)?]
         }
     };
     eprintln!("finished in {:.1} s", started.elapsed().as_secs_f64());
-    print!("{}", harness::report::table(&reports));
+    for (speed, reports) in speeds.iter().zip(&runs) {
+        if speeds.len() > 1 {
+            println!("speed {speed}:");
+        }
+        print!("{}", harness::report::table(reports));
+        print!("{}", harness::utilisation_lines(reports));
+    }
+    if speeds.len() > 1 {
+        println!("load sweep (TTFT mean and p99 at each speed):");
+        print!("{}", harness::sweep_table(&speeds, &runs));
+    }
     if let Some(p) = &args.json {
-        harness::write_json(p, &reports)?;
+        if speeds.len() > 1 {
+            harness::write_sweep_json(p, &speeds, &runs)?;
+        } else {
+            harness::write_json(p, &runs[0])?;
+        }
         eprintln!("wrote {}", p.display());
     }
     if let Some(p) = &args.plot {
-        let title = format!(
-            "TTFT CDF: {} requests, {} workers, speed {}",
-            trace.len(),
-            args.workers,
-            args.speed
-        );
-        harness::write_svg(p, &reports, &title)?;
+        if speeds.len() > 1 {
+            let title = format!(
+                "TTFT against load: {} requests, {} workers",
+                trace.len(),
+                args.workers
+            );
+            harness::write_sweep_svg(p, &speeds, &runs, &title)?;
+        } else {
+            let title = format!(
+                "TTFT CDF: {} requests, {} workers, speed {}",
+                trace.len(),
+                args.workers,
+                speeds[0]
+            );
+            harness::write_svg(p, &runs[0], &title)?;
+        }
         eprintln!("wrote {}", p.display());
     }
     Ok(ExitCode::SUCCESS)
@@ -277,43 +344,69 @@ pub(crate) fn run_engine(args: EngineArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Simulates every policy, `jobs` at a time, each with a progress bar (drawn only on a
-/// terminal); returns the reports in `policies` order.
+/// Reads a trace file; `*.zst` files are decompressed.
+fn read_trace(p: &std::path::Path) -> anyhow::Result<String> {
+    let what = || format!("reading {}", p.display());
+    let raw = std::fs::read(p).with_context(what)?;
+    let bytes = if p.extension().is_some_and(|e| e == "zst") {
+        zstd::decode_all(&raw[..]).with_context(what)?
+    } else {
+        raw
+    };
+    String::from_utf8(bytes).with_context(what)
+}
+
+/// Simulates every policy under every config (one per speed), `jobs` at a time, each
+/// with a progress bar (drawn only on a terminal); returns, per config, the reports in
+/// `policies` order.
 fn run_all(
     trace: &[harness::TraceRequest],
+    hashes: &harness::TraceHashes,
     policies: &[Policy],
-    cfg: &SimConfig,
-    ideals: &Ideals,
+    configs: &[SimConfig],
     jobs: Option<usize>,
-) -> Vec<PolicyReport> {
+) -> Vec<Vec<PolicyReport>> {
+    let work: Vec<(usize, Policy)> = (0..configs.len())
+        .flat_map(|c| policies.iter().map(move |&p| (c, p)))
+        .collect();
     let jobs = jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .clamp(1, policies.len().max(1));
+        .clamp(1, work.len().max(1));
     let bars = MultiProgress::new();
     let style = bar_style();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut slots: Vec<Option<PolicyReport>> = policies.iter().map(|_| None).collect();
+    let mut slots: Vec<Option<PolicyReport>> = work.iter().map(|_| None).collect();
     let results = std::sync::Mutex::new(&mut slots);
     std::thread::scope(|s| {
         for _ in 0..jobs {
             s.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(&policy) = policies.get(i) else {
+                    let Some(&(c, policy)) = work.get(i) else {
                         return;
                     };
+                    let cfg = &configs[c];
                     let bar = bars.add(ProgressBar::new(trace.len() as u64));
                     bar.set_style(style.clone());
-                    bar.set_prefix(policy.name());
+                    if configs.len() > 1 {
+                        bar.set_prefix(format!("{} ×{}", policy.name(), cfg.speed));
+                    } else {
+                        bar.set_prefix(policy.name());
+                    }
                     bar.enable_steady_tick(Duration::from_millis(200));
-                    let report = harness::simulate(trace, policy, cfg, ideals, |done| {
-                        bar.set_position(done as u64)
-                    });
+                    let report =
+                        harness::simulate(trace, hashes, policy, cfg, &Ideals::default(), |done| {
+                            bar.set_position(done as u64)
+                        });
                     bar.finish();
                     results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(report);
                 }
             });
         }
     });
-    slots.into_iter().flatten().collect()
+    let mut reports = slots.into_iter().flatten();
+    configs
+        .iter()
+        .map(|_| reports.by_ref().take(policies.len()).collect())
+        .collect()
 }

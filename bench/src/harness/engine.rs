@@ -21,7 +21,9 @@
 //!   `(prefill_c + prefill_b·T + prefill_a·T²) [if T > 0] + decode_base + decode_per_ktoken·K/1000`
 //!   milliseconds, divided by `speedup`.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
+
+use ahash::{AHashMap as HashMap, AHashSet};
 
 use kvrouter_core::event::{KvCacheEvent, RouterEvent};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
@@ -177,9 +179,9 @@ struct Offloads {
     /// Blocks copied to host memory, in order: (parent, local, sequence hash).
     stored: Vec<(Option<u64>, LocalBlockHash, SequenceBlockHash)>,
     /// Those of `stored` still there.
-    live: std::collections::HashSet<u64>,
+    live: AHashSet<u64>,
     /// Blocks host memory dropped to make room (held before this round).
-    removed: std::collections::HashSet<u64>,
+    removed: AHashSet<u64>,
 }
 
 /// See the [module docs](self).
@@ -199,6 +201,12 @@ pub struct Engine {
     host: HostTier,
     /// Onload time owed by requests admitted since the last step (ms).
     onload_ms: f64,
+    /// Bumped by every change that can let a waiting request in: a block cached or
+    /// evicted, a leaf gained or lost, the batch changed.
+    generation: u64,
+    /// The generation at which the head of the queue last did not fit: until it changes,
+    /// admission has nothing to try (decode-only steps skip it).
+    blocked_at: Option<u64>,
     /// Prompt blocks served from the device cache (for hit ratios).
     pub hit_blocks: u64,
     /// Prompt blocks onloaded from host memory.
@@ -222,6 +230,8 @@ impl Engine {
             events: Vec::new(),
             host: HostTier::default(),
             onload_ms: 0.0,
+            generation: 0,
+            blocked_at: None,
             hit_blocks: 0,
             host_hit_blocks: 0,
             prompt_blocks: 0,
@@ -248,24 +258,26 @@ impl Engine {
         std::mem::take(&mut self.events)
     }
 
-    fn touch(&mut self, seq: u64) {
+    /// Marks `seq` used and takes a reference on it for a request (one lookup: what
+    /// `touch` then `set_refs(seq, 1)` do).
+    fn hold(&mut self, seq: u64) {
         self.clock += 1;
-        let clock = self.clock;
-        if let Some(b) = self.blocks.get_mut(&seq) {
-            if b.refs == 0 && b.children == 0 {
-                self.leaves.remove(&(b.last_used, seq));
-            }
-            b.last_used = clock;
-            if b.refs == 0 && b.children == 0 {
-                self.leaves.insert((clock, seq));
-            }
+        let Some(b) = self.blocks.get_mut(&seq) else {
+            return;
+        };
+        if b.refs == 0 && b.children == 0 {
+            self.leaves.remove(&(b.last_used, seq));
+            self.generation += 1;
         }
+        b.last_used = self.clock;
+        b.refs += 1;
     }
 
     fn set_refs(&mut self, seq: u64, delta: i32) {
         let Some(b) = self.blocks.get_mut(&seq) else {
             return;
         };
+        self.generation += 1;
         let was_leaf = b.refs == 0 && b.children == 0;
         b.refs = (b.refs as i32 + delta) as u32;
         let is_leaf = b.refs == 0 && b.children == 0;
@@ -281,6 +293,7 @@ impl Engine {
     /// when there is a host tier (its host events queued in `offloaded`).
     fn evict_one(&mut self, offloaded: &mut Offloads) -> Option<u64> {
         let (stamp, seq) = *self.leaves.iter().next()?;
+        self.generation += 1;
         self.leaves.remove(&(stamp, seq));
         // Every leaf is cached (the leaf set mirrors the block map).
         let b = self.blocks.remove(&seq)?;
@@ -358,6 +371,9 @@ impl Engine {
 
     /// Moves waiting requests into the batch while their blocks fit.
     fn admit(&mut self) {
+        if self.blocked_at == Some(self.generation) {
+            return;
+        }
         while self.running.len() < self.cfg.max_running {
             let Some(mut r) = self.waiting.pop_front() else {
                 return;
@@ -379,11 +395,11 @@ impl Engine {
             if need > free + evictable && !self.running.is_empty() {
                 // Not enough room until running requests finish.
                 self.waiting.push_front(r);
+                self.blocked_at = Some(self.generation);
                 return;
             }
             for (_, s) in &r.blocks[..hit] {
-                self.touch(s.0);
-                self.set_refs(s.0, 1);
+                self.hold(s.0);
             }
             // The copies to onload are read first: refreshed in host memory before the
             // evictions below offload anything there.
@@ -408,6 +424,7 @@ impl Engine {
             r.prefilled = ((hit + onloaded) as u32 * self.cfg.block_size).min(r.input_tokens);
             r.admitted = true;
             self.running.push(r);
+            self.generation += 1;
         }
     }
 
@@ -446,6 +463,7 @@ impl Engine {
     /// an evictable leaf); the parent gains a child (and is no leaf either).
     fn insert_in_use(&mut self, parent: Option<u64>, l: LocalBlockHash, s: SequenceBlockHash) {
         self.clock += 1;
+        self.generation += 1;
         if let Some(p) = parent
             && let Some(pb) = self.blocks.get_mut(&p)
         {
@@ -468,11 +486,11 @@ impl Engine {
 
     /// Caches the request's new blocks (at prefill completion) and publishes them.
     fn store(&mut self, idx: usize) {
-        let r = &self.running[idx];
-        let hit = r.cached_blocks;
-        let new: Vec<(LocalBlockHash, SequenceBlockHash)> = r.blocks[hit..].to_vec();
+        // The request's blocks, taken for the walk (no copy) and put back after it.
+        let blocks = std::mem::take(&mut self.running[idx].blocks);
+        let hit = self.running[idx].cached_blocks;
         let mut parent = if hit > 0 {
-            Some(r.blocks[hit - 1].1.0)
+            Some(blocks[hit - 1].1.0)
         } else {
             None
         };
@@ -482,11 +500,10 @@ impl Engine {
         let mut off = Offloads::default();
         // Blocks this request holds a reference on (a prefix of its blocks).
         let mut held = hit;
-        for (l, s) in new {
+        for &(l, s) in &blocks[hit..] {
             if self.blocks.contains_key(&s.0) {
                 // Cached meanwhile by a sibling request: reuse it.
-                self.touch(s.0);
-                self.set_refs(s.0, 1);
+                self.hold(s.0);
                 parent = Some(s.0);
                 held += 1;
                 continue;
@@ -504,6 +521,7 @@ impl Engine {
             held += 1;
         }
         self.running[idx].cached_blocks = held;
+        self.running[idx].blocks = blocks;
         self.publish_evictions(off, removed);
         if !stored.is_empty() {
             // One stored event, under the parent of its first block.
@@ -585,6 +603,7 @@ impl Engine {
             let r = &self.running[k];
             if r.prefilled >= r.input_tokens && r.generated >= r.output_tokens.max(1) {
                 let r = self.running.swap_remove(k);
+                self.generation += 1;
                 for (_, s) in &r.blocks[..r.cached_blocks] {
                     self.set_refs(s.0, -1);
                 }

@@ -16,6 +16,11 @@ pub mod sim;
 pub mod trace;
 
 pub use engine::EngineConfig;
-pub use report::{PolicyReport, write_json, write_svg};
+pub use report::{
+    PolicyReport, Utilisation, WorkerUtilisation, sweep_table, utilisation_lines, write_json,
+    write_svg, write_sweep_json, write_sweep_svg,
+};
 pub use sim::{Ideals, Policy, SimConfig, simulate};
-pub use trace::{TraceRequest, ideal_hit_ratio, ideal_hit_ratio_trace_blocks, load_trace};
+pub use trace::{
+    TraceHashes, TraceRequest, ideal_hit_ratio, ideal_hit_ratio_trace_blocks, load_trace,
+};

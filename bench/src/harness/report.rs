@@ -81,9 +81,78 @@ pub struct PolicyReport {
     pub requests_per_worker: Vec<u64>,
     /// Requests completed.
     pub completed: u64,
+    /// The busiest and the idlest worker's utilisation over time (`null` in networked
+    /// mode).
+    pub utilisation: Option<Utilisation>,
     /// Sorted TTFTs, ms (for the plot).
     #[serde(skip)]
     pub ttfts: Vec<f64>,
+}
+
+/// The busiest and the idlest worker (by requests served), over time: herding seen, not
+/// inferred.
+#[derive(Debug, Clone, Serialize)]
+pub struct Utilisation {
+    /// Width of each sample, s.
+    pub bucket_s: f64,
+    /// The worker that served the most requests.
+    pub busiest: WorkerUtilisation,
+    /// The worker that served the fewest.
+    pub idlest: WorkerUtilisation,
+}
+
+/// One worker's utilisation over time.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerUtilisation {
+    /// Its index (0-based).
+    pub worker: usize,
+    /// Requests it served.
+    pub requests: u64,
+    /// Mean of `series`.
+    pub mean: f64,
+    /// Fraction of each bucket its engine spent running steps, from the first arrival.
+    pub series: Vec<f64>,
+}
+
+impl WorkerUtilisation {
+    /// `series` as one line of block characters (at most `width`, buckets averaged).
+    pub fn sparkline(&self, width: usize) -> String {
+        const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+        let n = self.series.len();
+        if n == 0 {
+            return String::new();
+        }
+        let per = n.div_ceil(width.max(1));
+        self.series
+            .chunks(per)
+            .map(|c| {
+                let m = c.iter().sum::<f64>() / c.len() as f64;
+                BARS[((m.clamp(0.0, 1.0) * 7.0).round()) as usize]
+            })
+            .collect()
+    }
+}
+
+/// Lines on the busiest and the idlest worker of every report.
+pub fn utilisation_lines(reports: &[PolicyReport]) -> String {
+    let mut s = String::new();
+    for r in reports {
+        let Some(u) = &r.utilisation else { continue };
+        let _ = writeln!(
+            s,
+            "{:<14} busiest w{} ({} req, {:>3.0}% busy) {}   idlest w{} ({} req, {:>3.0}% busy) {}",
+            r.policy,
+            u.busiest.worker,
+            u.busiest.requests,
+            u.busiest.mean * 100.0,
+            u.busiest.sparkline(30),
+            u.idlest.worker,
+            u.idlest.requests,
+            u.idlest.mean * 100.0,
+            u.idlest.sparkline(30),
+        );
+    }
+    s
 }
 
 fn sorted(mut v: Vec<f64>) -> Vec<f64> {
@@ -145,6 +214,7 @@ impl PolicyReport {
             host_hit_ratio: None,
             requests_per_worker,
             completed,
+            utilisation: None,
             ttfts: ttft,
         }
     }
@@ -188,6 +258,12 @@ impl PolicyReport {
             ideals,
             per_worker,
         )
+    }
+
+    /// Sets the trace's ideals (computed beside the simulations).
+    pub fn set_ideals(&mut self, ideals: Ideals) {
+        self.ideal_prefix_hit_ratio = ideals.infinite;
+        self.capacity_prefix_hit_ratio = ideals.capacity;
     }
 
     /// Busiest worker's share over the idlest's (∞ when one got nothing).
@@ -244,6 +320,151 @@ pub fn table(reports: &[PolicyReport]) -> String {
         );
     }
     s
+}
+
+/// Every policy at every load side by side: mean and p99 TTFT, hits, max/min share.
+/// `runs[i]` are the reports at `speeds[i]`, policies in the same order in each.
+pub fn sweep_table(speeds: &[f64], runs: &[Vec<PolicyReport>]) -> String {
+    let mut s = String::new();
+    let _ = write!(s, "{:<14}", "policy");
+    for sp in speeds {
+        let _ = write!(s, " | {:^38}", format!("speed {sp}"));
+    }
+    let _ = writeln!(s);
+    let _ = write!(s, "{:<14}", "");
+    for _ in speeds {
+        let _ = write!(
+            s,
+            " | {:>10} {:>10} {:>7} {:>7}",
+            "mean", "p99", "hit %", "max/min"
+        );
+    }
+    let _ = writeln!(s);
+    let Some(first) = runs.first() else { return s };
+    for (k, r0) in first.iter().enumerate() {
+        let _ = write!(s, "{:<14}", r0.policy);
+        for run in runs {
+            let Some(r) = run.get(k) else { continue };
+            let _ = write!(
+                s,
+                " | {:>9.2}s {:>9.2}s {:>7.1} {:>7.2}",
+                r.ttft_ms.mean / 1e3,
+                r.ttft_ms.p99 / 1e3,
+                r.prefix_hit_ratio * 100.0,
+                r.share_ratio()
+            );
+        }
+        let _ = writeln!(s);
+    }
+    s
+}
+
+/// Writes `{speed: {policy: report}}` as JSON (speeds as written on the command line).
+pub fn write_sweep_json(
+    path: &Path,
+    speeds: &[f64],
+    runs: &[Vec<PolicyReport>],
+) -> anyhow::Result<()> {
+    let map: BTreeMap<String, BTreeMap<&str, &PolicyReport>> = speeds
+        .iter()
+        .zip(runs)
+        .map(|(sp, run)| {
+            (
+                sp.to_string(),
+                run.iter().map(|r| (r.policy.as_str(), r)).collect(),
+            )
+        })
+        .collect();
+    std::fs::write(path, serde_json::to_vec_pretty(&map)?)?;
+    Ok(())
+}
+
+/// Writes mean and p99 TTFT against load (log scale), one line per policy, as an SVG of
+/// two panels.
+pub fn write_sweep_svg(
+    path: &Path,
+    speeds: &[f64],
+    runs: &[Vec<PolicyReport>],
+    title: &str,
+) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("plot {}: {e}", path.display());
+    let root = SVGBackend::new(path, (960, 900)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = root
+        .titled(title, ("sans-serif", 18))
+        .map_err(|e| err(&e))?;
+    let panels = root.split_evenly((2, 1));
+    let all = || runs.iter().flatten();
+    let lo_speed = speeds.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi_speed = speeds
+        .iter()
+        .copied()
+        .fold(0.0, f64::max)
+        .max(lo_speed * 1.01);
+    type Pick = fn(&PolicyReport) -> f64;
+    let picks: [(&str, Pick); 2] = [
+        ("mean TTFT (s, log scale)", |r| r.ttft_ms.mean / 1e3),
+        ("p99 TTFT (s, log scale)", |r| r.ttft_ms.p99 / 1e3),
+    ];
+    for (panel, (label, pick)) in panels.iter().zip(picks) {
+        let lo = all()
+            .map(pick)
+            .filter(|v| *v > 0.0)
+            .fold(f64::INFINITY, f64::min);
+        let lo = if lo.is_finite() {
+            10f64.powf(lo.log10().floor())
+        } else {
+            0.01
+        };
+        let hi = 10f64
+            .powf(all().map(pick).fold(lo, f64::max).log10().ceil())
+            .max(lo * 10.0);
+        let mut chart = ChartBuilder::on(panel)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(lo_speed..hi_speed, (lo..hi).log_scale())
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("load (--speed: arrival-time scale)")
+            .y_desc(label)
+            .draw()
+            .map_err(|e| err(&e))?;
+        let Some(first) = runs.first() else { break };
+        for (k, r0) in first.iter().enumerate() {
+            let color = Palette99::pick(k).to_rgba();
+            let points: Vec<(f64, f64)> = speeds
+                .iter()
+                .zip(runs)
+                .filter_map(|(&sp, run)| run.get(k).map(|r| (sp, pick(r).max(lo))))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .map_err(|e| err(&e))?
+                .label(r0.policy.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+                });
+            chart
+                .draw_series(
+                    points
+                        .into_iter()
+                        .map(|p| Circle::new(p, 3, color.filled())),
+                )
+                .map_err(|e| err(&e))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
 }
 
 /// Writes `{policy: report}` as JSON.

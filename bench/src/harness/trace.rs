@@ -8,7 +8,8 @@
 
 use std::collections::HashSet;
 
-use kvrouter_core::hash::{HashOptions, local_block_hashes, sequence_hashes};
+use ahash::AHashMap;
+use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes, sequence_hashes};
 use serde::Deserialize;
 
 use super::engine::{Engine, EngineConfig, EngineRequest};
@@ -42,6 +43,53 @@ impl TraceRequest {
     }
 }
 
+/// The local block hashes of a trace's synthetic prompts, computed once per 512-token
+/// hash id: block `k` of a prompt lies inside hash id `k * block_size / 512` and its tokens
+/// depend on that id alone, so a prompt's hashes are its ids' hashes laid end to end.
+/// Shared read-only by every policy's simulation (hashing every prompt's tokens again
+/// was a fifth of a simulation's time on long prompts).
+#[derive(Debug)]
+pub struct TraceHashes {
+    block_size: u32,
+    per_id: AHashMap<u64, Box<[LocalBlockHash]>>,
+}
+
+impl TraceHashes {
+    /// The hashes of every hash id of `trace` at `block_size` (which divides 512).
+    pub fn new(trace: &[TraceRequest], block_size: u32) -> Self {
+        let mut per_id = AHashMap::new();
+        let mut tokens = Vec::with_capacity(512);
+        for r in trace {
+            for &id in &r.hash_ids {
+                per_id.entry(id).or_insert_with(|| {
+                    tokens.clear();
+                    tokens.extend(
+                        (0..512u64)
+                            .map(|j| (id.wrapping_mul(512).wrapping_add(j) & 0x7fff_ffff) as u32),
+                    );
+                    local_block_hashes(&tokens, block_size, &HashOptions::default()).into()
+                });
+            }
+        }
+        Self { block_size, per_id }
+    }
+
+    /// The local hashes of `r`'s full blocks: equal to hashing [`TraceRequest::tokens`].
+    pub fn locals(&self, r: &TraceRequest) -> Vec<LocalBlockHash> {
+        let tokens = (r.input_length as usize).min(512 * r.hash_ids.len());
+        let n = tokens / self.block_size.max(1) as usize;
+        let mut out = Vec::with_capacity(n);
+        for id in &r.hash_ids {
+            if out.len() >= n {
+                break;
+            }
+            let take = (n - out.len()).min(512 / self.block_size.max(1) as usize);
+            out.extend_from_slice(&self.per_id[id][..take]);
+        }
+        out
+    }
+}
+
 /// Parses a trace (JSON lines); `limit` keeps the first N requests.
 pub fn load_trace(text: &str, limit: Option<usize>) -> anyhow::Result<Vec<TraceRequest>> {
     let mut out = Vec::new();
@@ -63,7 +111,12 @@ pub fn load_trace(text: &str, limit: Option<usize>) -> anyhow::Result<Vec<TraceR
 /// shared by all workers would serve when the requests run one after another in arrival
 /// order, evicting least-recently-used leaves: what the cache capacity allows a perfect
 /// router. With `usize::MAX` it is the infinite-cache ideal, the best any router can do.
-pub fn ideal_hit_ratio(trace: &[TraceRequest], block_size: u32, capacity_blocks: usize) -> f64 {
+pub fn ideal_hit_ratio(
+    trace: &[TraceRequest],
+    hashes: &TraceHashes,
+    block_size: u32,
+    capacity_blocks: usize,
+) -> f64 {
     let cfg = EngineConfig {
         block_size,
         capacity_blocks,
@@ -73,7 +126,7 @@ pub fn ideal_hit_ratio(trace: &[TraceRequest], block_size: u32, capacity_blocks:
     };
     let mut cache = Engine::new(0, cfg);
     for (i, r) in trace.iter().enumerate() {
-        let locals = local_block_hashes(&r.tokens(), block_size, &HashOptions::default());
+        let locals = hashes.locals(r);
         let blocks = locals
             .iter()
             .copied()
@@ -128,9 +181,25 @@ mod tests {
         let twice = [t[0].clone(), t[0].clone()];
         assert!((ideal_hit_ratio_trace_blocks(&twice) - 0.5).abs() < 1e-9);
         // 600 tokens = 9 blocks of 64; the second request hits all 9.
-        assert!((ideal_hit_ratio(&twice, 64, usize::MAX) - 0.5).abs() < 1e-9);
+        let hashes = TraceHashes::new(&twice, 64);
+        assert!((ideal_hit_ratio(&twice, &hashes, 64, usize::MAX) - 0.5).abs() < 1e-9);
         // A cache of 4 blocks keeps only part of the prompt: fewer hits.
-        assert!(ideal_hit_ratio(&twice, 64, 4) < 0.5);
+        assert!(ideal_hit_ratio(&twice, &hashes, 64, 4) < 0.5);
         assert!(load_trace("{bad", None).is_err());
+    }
+
+    #[test]
+    fn memoised_hashes_equal_hashing_the_tokens() {
+        let text = "{\"timestamp\":0,\"input_length\":1100,\"output_length\":3,\"hash_ids\":[7,8,9]}\n\
+                    {\"timestamp\":1,\"input_length\":2000,\"output_length\":3,\"hash_ids\":[7,8]}\n\
+                    {\"timestamp\":2,\"input_length\":40,\"output_length\":3,\"hash_ids\":[5]}\n";
+        let trace = load_trace(text, None).unwrap();
+        for bs in [16, 64, 512] {
+            let hashes = TraceHashes::new(&trace, bs);
+            for r in &trace {
+                let direct = local_block_hashes(&r.tokens(), bs, &HashOptions::default());
+                assert_eq!(hashes.locals(r), direct, "block size {bs}");
+            }
+        }
     }
 }
