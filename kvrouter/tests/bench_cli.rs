@@ -244,3 +244,74 @@ fn bench_over_nats_runs_engine_processes_and_the_real_router() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+#[test]
+fn bench_sweeps_the_load_and_reads_zstd_traces() {
+    let dir = TempDir::new("sweep");
+    // The bundled sample's first 150 requests, compressed.
+    let text: String = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../bench/data/mooncake_conversation_sample.jsonl"
+    ))
+    .unwrap()
+    .lines()
+    .take(150)
+    .map(|l| format!("{l}\n"))
+    .collect();
+    let trace = dir.path().join("t.jsonl.zst");
+    std::fs::write(&trace, zstd::encode_all(text.as_bytes(), 3).unwrap()).unwrap();
+    let json = dir.path().join("sweep.json");
+    let plot = dir.path().join("sweep.svg");
+    let out = kvrouter(&[
+        "bench",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "4",
+        "--speed",
+        "1,4",
+        "--policies",
+        "kv-aware,kv-time,round-robin",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("load sweep"), "{stdout}");
+    assert!(stdout.contains("busiest w"), "{stdout}");
+    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let speeds = v.as_object().unwrap();
+    assert_eq!(
+        speeds.keys().collect::<Vec<_>>(),
+        vec!["1", "4"],
+        "one entry per load"
+    );
+    for (speed, policies) in speeds {
+        let policies = policies.as_object().unwrap();
+        assert_eq!(policies.len(), 3, "speed {speed}");
+        for (name, r) in policies {
+            assert_eq!(r["completed"].as_u64(), Some(150), "{speed} {name}");
+            let u = &r["utilisation"];
+            let busiest = u["busiest"]["requests"].as_u64().unwrap();
+            let idlest = u["idlest"]["requests"].as_u64().unwrap();
+            assert!(busiest >= idlest, "{speed} {name}");
+            assert!(!u["busiest"]["series"].as_array().unwrap().is_empty());
+        }
+    }
+    // Four times the load: the same work waits at least as long.
+    let mean = |s: &str| v[s]["round-robin"]["ttft_ms"]["mean"].as_f64().unwrap();
+    assert!(mean("4") >= mean("1"), "{} < {}", mean("4"), mean("1"));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("kv-time") && svg.contains("p99 TTFT"));
+    // A sweep is in-process only; an empty or bad list is refused.
+    for bad in [&["--speed", "1,0"][..], &["--speed", "1,x"][..]] {
+        let out = kvrouter(&[&["bench", "--limit", "5"][..], bad].concat());
+        assert!(!out.status.success(), "{bad:?}");
+    }
+}
