@@ -136,12 +136,14 @@ pub struct CostConfig {
 }
 
 impl Default for CostConfig {
-    /// Ours: Dynamo's formula with prefill weighted 16× and each block a request would
-    /// prefill from scratch charged 4 more times (see the module docs).
+    /// Ours: Dynamo's formula with prefill weighted 16×, each block a request would
+    /// prefill from scratch charged 4 more times, and the prefix a worker's active
+    /// requests hold credited as cached (see the module docs).
     fn default() -> Self {
         Self {
             prefill_load_scale: 16.0,
             new_block_weight: 4.0,
+            credit_inflight: true,
             ..Self::dynamo()
         }
     }
@@ -624,12 +626,14 @@ mod tests {
             inflight_overlap_blocks: 6,
             ..cand(1, 2, 0)
         };
-        let off = score(&CostConfig::default(), 160, 16, &[c]);
-        let on = CostConfig {
-            credit_inflight: true,
+        let off = CostConfig {
+            credit_inflight: false,
             ..CostConfig::default()
         };
-        let on = score(&on, 160, 16, &[c]);
+        let off = score(&off, 160, 16, &[c]);
+        assert!(CostConfig::default().credit_inflight);
+        assert!(!CostConfig::dynamo().credit_inflight);
+        let on = score(&CostConfig::default(), 160, 16, &[c]);
         assert_eq!(off[0].overlap_credit_blocks, 2.0);
         assert_eq!(on[0].overlap_credit_blocks, 6.0);
         // The index's longer view wins when it is the longer.

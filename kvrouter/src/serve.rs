@@ -1016,14 +1016,11 @@ mod tests {
             serve: ServeArgs,
         }
         let d = ServeConfig::default();
-        assert_eq!(
-            (d.cost_formula, d.credit_inflight),
-            (Formula::Blocks, false)
-        );
+        assert_eq!((d.cost_formula, d.credit_inflight), (Formula::Blocks, true));
         let cfg: ServeConfig = toml::from_str(
             r#"
             cost_formula = "time"
-            credit_inflight = true
+            credit_inflight = false
             decode_delay_weight = 0.5
             [prefill_prior]
             ms_per_ktoken = 60.0
@@ -1031,7 +1028,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cfg.cost_formula, Formula::Time);
-        assert!(cfg.credit_inflight);
+        assert!(!cfg.credit_inflight);
         assert_eq!(cfg.decode_delay_weight, 0.5);
         assert_eq!(cfg.prefill_prior.ms_per_ktoken, 60.0);
         assert_eq!(cfg.prefill_prior.base_ms, Prior::default().base_ms);
@@ -1043,7 +1040,7 @@ mod tests {
             "--cost-formula",
             "time",
             "--credit-inflight",
-            "true",
+            "false",
             "--decode-delay-weight",
             "2",
         ])
@@ -1055,7 +1052,7 @@ mod tests {
                 cfg.credit_inflight,
                 cfg.decode_delay_weight
             ),
-            (Formula::Time, true, 2.0)
+            (Formula::Time, false, 2.0)
         );
         assert!(Cli::try_parse_from(["x", "--cost-formula", "tokens"]).is_err());
     }

@@ -27,7 +27,7 @@ use kvrouter_core::codec::Subjects;
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
-use kvrouter_core::policy::{CostConfig, Rng};
+use kvrouter_core::policy::{CostConfig, Formula, Rng};
 use kvrouter_io::nats::{Client, Options};
 use kvrouter_io::worker::{KvPublisher, PublisherOptions};
 use serde::{Deserialize, Serialize};
@@ -291,11 +291,14 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    // Dynamo runs Dynamo 1.6.1's weights; ours the run's.
-    let c = if policy == Policy::Dynamo {
-        CostConfig::dynamo()
-    } else {
-        cfg.sim.cost
+    // Dynamo runs Dynamo 1.6.1's weights; kv-time the time-based cost; ours the run's.
+    let c = match policy {
+        Policy::Dynamo => CostConfig::dynamo(),
+        Policy::KvTime => CostConfig {
+            formula: Formula::Time,
+            ..cfg.sim.time
+        },
+        _ => cfg.sim.cost,
     };
     a.extend([
         "--overlap-score-credit".to_owned(),
@@ -306,6 +309,16 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         c.new_block_weight.to_string(),
         "--temperature".to_owned(),
         c.temperature.to_string(),
+        "--credit-inflight".to_owned(),
+        c.credit_inflight.to_string(),
+        "--cost-formula".to_owned(),
+        match c.formula {
+            Formula::Blocks => "blocks",
+            Formula::Time => "time",
+        }
+        .to_owned(),
+        "--decode-delay-weight".to_owned(),
+        c.decode_delay_weight.to_string(),
     ]);
     match policy {
         Policy::KvAwareP2c => a.extend(["--herd-k".to_owned(), "3".to_owned()]),
@@ -512,7 +525,11 @@ pub fn run_networked(
     }
     let uses_router = matches!(
         policy,
-        Policy::KvAware | Policy::KvAwareP2c | Policy::Dynamo | Policy::Approximate
+        Policy::KvAware
+            | Policy::KvTime
+            | Policy::KvAwareP2c
+            | Policy::Dynamo
+            | Policy::Approximate
     );
     let mut router = if uses_router {
         Some(spawn_router(cfg, &ns, policy)?)
@@ -652,4 +669,42 @@ pub fn run_networked(
         hits,
         *ideals,
     ))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// The value after `flag` in `args`.
+    fn value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+        let i = args.iter().position(|a| a == flag)?;
+        args.get(i + 1).map(String::as_str)
+    }
+
+    #[test]
+    fn each_policy_runs_its_own_cost_in_the_router() {
+        let cfg = NetConfig {
+            nats: "nats://127.0.0.1:4222".into(),
+            exe: PathBuf::from("kvrouter"),
+            sim: SimConfig::default(),
+            stall_timeout: Duration::from_secs(1),
+        };
+        let args = |p| router_args(&cfg, "ns", p);
+        // Dynamo's own weights, whatever the serve defaults are.
+        let d = args(Policy::Dynamo);
+        assert_eq!(value(&d, "--new-block-weight"), Some("0"));
+        assert_eq!(value(&d, "--credit-inflight"), Some("false"));
+        assert_eq!(value(&d, "--cost-formula"), Some("blocks"));
+        let ours = args(Policy::KvAware);
+        assert_eq!(value(&ours, "--new-block-weight"), Some("4"));
+        assert_eq!(value(&ours, "--credit-inflight"), Some("true"));
+        let t = args(Policy::KvTime);
+        assert_eq!(value(&t, "--cost-formula"), Some("time"));
+        assert_eq!(value(&t, "--decode-delay-weight"), Some("1"));
+        assert_eq!(
+            value(&args(Policy::Approximate), "--kv-events"),
+            Some("false")
+        );
+        assert_eq!(value(&args(Policy::KvAwareP2c), "--herd-k"), Some("3"));
+    }
 }
