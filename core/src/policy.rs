@@ -14,16 +14,19 @@
 //!      + decode_blocks
 //! ```
 //!
-//! where `decode_blocks` is the worker's potential active blocks (its active blocks plus
+//! where `device_overlap_blocks` is, with `credit_inflight`, the larger of the index's
+//! prefix and the one the worker's active requests hold (below), and `decode_blocks` is
+//! the worker's potential active blocks (its active blocks plus
 //! the request's blocks it does not hold yet, from the slot manager). Candidates over the
 //! busy thresholds are filtered out (unless all are). The lowest cost wins, ties broken at
 //! random; with `temperature > 0` the worker is sampled by softmax over the costs
 //! normalised to `[0, 1]` (min-max), `p ∝ exp(-normalised / temperature)`.
 //!
-//! **Dynamo's formula and ours.** With `new_block_weight = 0` and `prefill_load_scale = 1`
-//! ([`CostConfig::dynamo`]) this is NVIDIA Dynamo 1.6.1's cost, term for term. Our
-//! defaults differ in two weights, for two reasons the harness measured
-//! (`docs/BENCHMARKS.md`, "Routing policies"):
+//! **Dynamo's formula and ours.** With `new_block_weight = 0`, `prefill_load_scale = 1`
+//! and `credit_inflight` off ([`CostConfig::dynamo`]) this is NVIDIA Dynamo 1.6.1's cost,
+//! term for term. Our defaults differ in two weights, for two reasons the harness
+//! measured (`docs/BENCHMARKS.md`, "Routing policies"), and credit what active requests
+//! hold (below):
 //!
 //! - `prefill_load_scale` 16: a request's first token waits for the prefill queued ahead
 //!   of it and its own prefill; the decode blocks a worker holds slow a step by far less
@@ -50,6 +53,41 @@
 //! #7836). [`Herd::PowerOfTwo`] picks two candidates at random among the `k` cheapest and
 //! keeps the cheaper: the cache-hot worker still wins most of the time, but a burst spreads
 //! over the few nearly-as-good workers.
+//!
+//! **What the approximate mode knows.** On the agentic dev trace (long sessions whose
+//! every reuse is the previous turn's prompt) the approximate mode, which sees no KV event,
+//! kept up with or beat the exact one. The harness shows why (`docs/HARNESS.md`,
+//! `offered %`): it records a routed request's whole prompt at its worker the moment it
+//! routes it, while the exact index learns of those blocks only when the engine has
+//! prefilled them and published them. When turns queue (load, long prompts), a session's
+//! next turn often arrives while its previous one is still waiting or prefilling, and the
+//! exact index then says the session's worker holds nothing: the exact policy moves the
+//! session and recomputes its prompt. On the whole trace, overloaded, the prefix the
+//! index offered at routing time was 48 % of the prompt blocks against 57 % hit later at
+//! admission. `credit_inflight` (on in ours, off in Dynamo's) carries the approximate
+//! mode's knowledge over exactly: a worker is credited with the longest prefix of the
+//! request that its own active requests hold (the slot manager's per-worker prefix tree),
+//! when that is longer than what its events have shown. Blocks of a request still
+//! prefilling will be cached by the time this one's prefill reaches them (engines
+//! prefill in arrival order). The second thing the approximate mode does, never seeing
+//! evictions, is keep a session where it was under heavy eviction; the exact policy
+//! moves it when the index shows its blocks gone, and the copy it leaves behind is
+//! capacity wasted twice. That is what still separates them on the overloaded whole
+//! trace (docs/BENCHMARKS.md): a larger `new_block_weight` buys it back there and loses
+//! elsewhere, so it is not a default.
+//!
+//! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
+//! The block weights are block counts tuned on one trace; a cost in milliseconds does not
+//! need them: for each candidate, the predicted TTFT there (the wait until the prefill
+//! already routed there ends, plus this request's own uncached prefill) plus
+//! `decode_delay_weight` times the delay its prefill adds to each request decoding
+//! there, plus the decode-memory term priced per block. Each worker's prefill time is a
+//! model fitted online from the first tokens every front reports ([`crate::prefill`]),
+//! so unlike GPUs are priced apart. Measured in the harness it loses to the block formula
+//! on every trace at high load, so it is not the default: first-token times there are
+//! dominated by waits for KV memory (an engine holds about 33 agentic prompts), which a
+//! prefill-queue model reads as a slow worker, herding the rest of the fleet onto a few
+//! workers. The figures and the diagnosis are in docs/BENCHMARKS.md.
 //!
 //! Pure: the caller passes the loads, the overlaps and a seeded [`Rng`].
 
