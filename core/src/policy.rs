@@ -166,6 +166,11 @@ pub struct CostConfig {
     pub credit_inflight: bool,
     /// Blocks or time.
     pub formula: Formula,
+    /// The fresh-block charge grows with the fleet's saturation: `new_block_weight` is
+    /// multiplied by `1 + saturation_weight × q / own`, where `q` is the least prefill
+    /// queued on any candidate and `own` the request's blocks (0: off). When no worker is
+    /// idle, a block recomputed is fleet capacity taken from every request queued.
+    pub saturation_weight: f64,
     /// With [`Formula::Time`]: weight of the delay a prefill adds to each request decoding
     /// on the candidate (every step that carries a prefill chunk holds their next token).
     pub decode_delay_weight: f64,
@@ -175,13 +180,15 @@ pub struct CostConfig {
 
 impl Default for CostConfig {
     /// Ours: Dynamo's formula with prefill weighted 16×, each block a request would
-    /// prefill from scratch charged 4 more times, and the prefix a worker's active
-    /// requests hold credited as cached (see the module docs).
+    /// prefill from scratch charged 4 more times (more when every worker has prefill
+    /// queued), and the prefix a worker's active requests hold credited as cached (see
+    /// the module docs).
     fn default() -> Self {
         Self {
             prefill_load_scale: 16.0,
             new_block_weight: 4.0,
             credit_inflight: true,
+            saturation_weight: 1.0,
             ..Self::dynamo()
         }
     }
@@ -211,6 +218,7 @@ impl CostConfig {
             ("new_block_weight", self.new_block_weight),
             ("temperature", self.temperature),
             ("decode_delay_weight", self.decode_delay_weight),
+            ("saturation_weight", self.saturation_weight),
             ("prior.base_ms", self.prior.base_ms),
             ("prior.ms_per_ktoken", self.prior.ms_per_ktoken),
             ("prior.ms_per_mpair", self.prior.ms_per_mpair),
@@ -260,6 +268,7 @@ impl CostConfig {
             max_active_prefill_tokens: None,
             herd: Herd::Off,
             credit_inflight: false,
+            saturation_weight: 0.0,
             formula: Formula::Blocks,
             decode_delay_weight: 0.0,
             prior: crate::prefill::Prior::default(),
@@ -398,6 +407,15 @@ pub fn score(
     candidates: &[Candidate],
 ) -> Vec<Scored> {
     let bs = block_size.max(1) as f64;
+    let own_blocks = (request_tokens as f64 / bs).max(1.0);
+    let least_queued = candidates
+        .iter()
+        .map(|c| c.active_prefill_tokens)
+        .min()
+        .unwrap_or(0) as f64
+        / bs;
+    let fresh_weight =
+        cfg.new_block_weight * (1.0 + cfg.saturation_weight * least_queued / own_blocks);
     candidates
         .iter()
         .map(|c| {
@@ -455,7 +473,7 @@ pub fn score(
                 added_delay_ms,
                 cost: match cfg.formula {
                     Formula::Blocks => {
-                        cfg.prefill_load_scale * (adjusted + cfg.new_block_weight * fresh) + decode
+                        cfg.prefill_load_scale * (adjusted + fresh_weight * fresh) + decode
                     }
                     Formula::Time => time_cost,
                 },
@@ -654,6 +672,53 @@ mod tests {
             (s[0].prefill_ms, s[0].ttft_ms, s[0].added_delay_ms),
             (0.0, 0.0, 0.0)
         );
+    }
+
+    #[test]
+    fn the_fresh_charge_grows_when_no_worker_is_idle() {
+        // 10 blocks of request; W1 caches 8, W2 nothing.
+        let hot = Candidate {
+            active_prefill_tokens: 40 * 16,
+            ..cand(1, 8, 0)
+        };
+        let cold = Candidate {
+            active_prefill_tokens: 20 * 16,
+            ..cand(2, 0, 0)
+        };
+        let plain = CostConfig {
+            saturation_weight: 0.0,
+            ..CostConfig::default()
+        };
+        // Plain: W1 16 × (42 + 4 × 2), W2 16 × (30 + 4 × 10). Saturated (the least queue
+        // is 20 blocks, twice the request): each fresh block is charged 4 × (1 + 2) = 12.
+        let s = score(&plain, 160, 16, &[hot, cold]);
+        assert_eq!(s[1].cost, 16.0 * (30.0 + 4.0 * 10.0));
+        let s = score(&CostConfig::default(), 160, 16, &[hot, cold]);
+        assert_eq!(s[0].cost, 16.0 * (42.0 + 12.0 * 2.0));
+        assert_eq!(s[1].cost, 16.0 * (30.0 + 12.0 * 10.0));
+        // An idle worker among the candidates: no saturation, the plain charge.
+        let idle = cand(3, 0, 0);
+        let s = score(&CostConfig::default(), 160, 16, &[hot, cold, idle]);
+        assert_eq!(s[1].cost, 16.0 * (30.0 + 4.0 * 10.0));
+        // The queue gap that moves a request off its cache grows with saturation: W2 with
+        // 12 blocks queued against W1's 40 takes it plainly, not when every worker is busy.
+        let cold = Candidate {
+            active_prefill_tokens: 12 * 16,
+            ..cand(2, 0, 0)
+        };
+        let hot = Candidate {
+            active_prefill_tokens: 60 * 16,
+            ..cand(1, 8, 0)
+        };
+        let pick = |cfg: &CostConfig| {
+            let s = score(cfg, 160, 16, &[hot, cold]);
+            s[choose(cfg, &s, &mut Rng::new(1)).unwrap()]
+                .candidate
+                .worker
+                .worker_id
+        };
+        assert_eq!(pick(&plain), 2);
+        assert_eq!(pick(&CostConfig::default()), 1);
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub(crate) struct BenchArgs {
     /// Our policies credit the prefix held by a worker's active requests as cached.
     #[arg(long, default_value_t = CostConfig::default().credit_inflight, action = clap::ArgAction::Set)]
     credit_inflight: bool,
+    /// Our policies' fresh-block charge grows with the least prefill queued on any worker
+    /// (0: off).
+    #[arg(long, default_value_t = CostConfig::default().saturation_weight)]
+    saturation_weight: f64,
     /// kv-time: weight of the delay a prefill adds to each request decoding there.
     #[arg(long, default_value_t = CostConfig::time().decode_delay_weight)]
     decode_delay_weight: f64,
@@ -143,6 +147,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             host_cache_hit_weight: args.host_cache_hit_weight,
             temperature: args.temperature,
             credit_inflight: args.credit_inflight,
+            saturation_weight: args.saturation_weight,
             ..CostConfig::default()
         },
         time: CostConfig {

@@ -183,6 +183,10 @@ pub(crate) struct ServeArgs {
     /// what its KV events have shown yet.
     #[arg(long, env = "KVROUTER_CREDIT_INFLIGHT")]
     credit_inflight: Option<bool>,
+    /// The fresh-block charge grows by this times the least prefill queued on any worker
+    /// over the request's own blocks (0: a fixed charge).
+    #[arg(long, env = "KVROUTER_SATURATION_WEIGHT")]
+    saturation_weight: Option<f64>,
     /// With `--cost-formula time`: weight of the delay a prefill adds to each request
     /// decoding on the candidate.
     #[arg(long, env = "KVROUTER_DECODE_DELAY_WEIGHT")]
@@ -295,6 +299,7 @@ pub(crate) struct ServeConfig {
     temperature: f64,
     cost_formula: Formula,
     credit_inflight: bool,
+    saturation_weight: f64,
     decode_delay_weight: f64,
     /// With `cost_formula = "time"`: the prefill model of a worker not yet observed
     /// (TOML only).
@@ -370,6 +375,7 @@ impl Default for ServeConfig {
             temperature: cost.temperature,
             cost_formula: cost.formula,
             credit_inflight: cost.credit_inflight,
+            saturation_weight: cost.saturation_weight,
             decode_delay_weight: CostConfig::time().decode_delay_weight,
             prefill_prior: cost.prior,
             herd_k: 0,
@@ -554,6 +560,7 @@ impl ServeConfig {
             temperature,
             cost_formula,
             credit_inflight,
+            saturation_weight,
             decode_delay_weight,
             herd_k,
             models,
@@ -694,6 +701,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         max_active_prefill_tokens: cfg.max_active_prefill_tokens,
         formula: cfg.cost_formula,
         credit_inflight: cfg.credit_inflight,
+        saturation_weight: cfg.saturation_weight,
         decode_delay_weight: cfg.decode_delay_weight,
         prior: cfg.prefill_prior,
     };

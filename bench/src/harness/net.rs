@@ -311,6 +311,8 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         c.temperature.to_string(),
         "--credit-inflight".to_owned(),
         c.credit_inflight.to_string(),
+        "--saturation-weight".to_owned(),
+        c.saturation_weight.to_string(),
         "--cost-formula".to_owned(),
         match c.formula {
             Formula::Blocks => "blocks",
@@ -694,10 +696,12 @@ mod tests {
         let d = args(Policy::Dynamo);
         assert_eq!(value(&d, "--new-block-weight"), Some("0"));
         assert_eq!(value(&d, "--credit-inflight"), Some("false"));
+        assert_eq!(value(&d, "--saturation-weight"), Some("0"));
         assert_eq!(value(&d, "--cost-formula"), Some("blocks"));
         let ours = args(Policy::KvAware);
         assert_eq!(value(&ours, "--new-block-weight"), Some("4"));
         assert_eq!(value(&ours, "--credit-inflight"), Some("true"));
+        assert_eq!(value(&ours, "--saturation-weight"), Some("1"));
         let t = args(Policy::KvTime);
         assert_eq!(value(&t, "--cost-formula"), Some("time"));
         assert_eq!(value(&t, "--decode-delay-weight"), Some("1"));
