@@ -10,12 +10,15 @@
 //!                         + shared_cache_multiplier * shared_beyond_blocks
 //! adjusted_prefill_blocks = max(raw_prefill_blocks - overlap_credit_blocks, 0)
 //! fresh_prefill_blocks    = max(request_tokens / block_size - overlap_credit_blocks, 0)
-//! cost = prefill_load_scale * (adjusted_prefill_blocks + new_block_weight * fresh_prefill_blocks)
+//! fresh_weight            = new_block_weight
+//!                         * (1 + saturation_weight * least_queued_blocks / request_blocks)
+//! cost = prefill_load_scale * (adjusted_prefill_blocks + fresh_weight * fresh_prefill_blocks)
 //!      + decode_blocks
 //! ```
 //!
 //! where `device_overlap_blocks` is, with `credit_inflight`, the larger of the index's
-//! prefix and the one the worker's active requests hold (below), and `decode_blocks` is
+//! prefix and the one the worker's active requests hold (below), `least_queued_blocks` is
+//! the least `active_prefill_tokens / block_size` over the candidates, and `decode_blocks` is
 //! the worker's potential active blocks (its active blocks plus
 //! the request's blocks it does not hold yet, from the slot manager). Candidates over the
 //! busy thresholds are filtered out (unless all are). The lowest cost wins, ties broken at
@@ -25,8 +28,8 @@
 //! **Dynamo's formula and ours.** With `new_block_weight = 0`, `prefill_load_scale = 1`
 //! and `credit_inflight` off ([`CostConfig::dynamo`]) this is NVIDIA Dynamo 1.6.1's cost,
 //! term for term. Our defaults differ in two weights, for two reasons the harness
-//! measured (`docs/BENCHMARKS.md`, "Routing policies"), and credit what active requests
-//! hold (below):
+//! measured (`docs/BENCHMARKS.md`, "Routing policies"), credit what active requests hold
+//! and raise the fresh-block charge when the fleet is saturated (both below):
 //!
 //! - `prefill_load_scale` 16: a request's first token waits for the prefill queued ahead
 //!   of it and its own prefill; the decode blocks a worker holds slow a step by far less
@@ -72,9 +75,15 @@
 //! prefill in arrival order). The second thing the approximate mode does, never seeing
 //! evictions, is keep a session where it was under heavy eviction; the exact policy
 //! moves it when the index shows its blocks gone, and the copy it leaves behind is
-//! capacity wasted twice. That is what still separates them on the overloaded whole
-//! trace (docs/BENCHMARKS.md): a larger `new_block_weight` buys it back there and loses
-//! elsewhere, so it is not a default.
+//! capacity wasted twice. A larger `new_block_weight` buys that back on the overloaded
+//! whole trace and loses everywhere else (docs/BENCHMARKS.md): how much a recompute costs
+//! depends on the load. While some worker is idle, a block recomputed there costs that
+//! request its prefill time and nobody else anything; when every worker has prefill
+//! queued, it is capacity taken from every request waiting. `saturation_weight` (1 in
+//! ours, 0 in Dynamo's) says so: the fresh-block charge is multiplied by
+//! `1 + saturation_weight × q / own`, where `q` is the least prefill queued on any
+//! candidate and `own` the request's blocks. Light loads route as before; saturated ones
+//! keep sessions on their caches unless the queue gap is larger than the recompute.
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
