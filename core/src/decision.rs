@@ -526,8 +526,8 @@ impl Decider {
         self.slots
             .add(&request_id, worker, blocks, prefill_tokens, now_ms)?;
         if let Some(p) = &mut self.prefill {
-            let new = route.tokens - credited_tokens;
-            p.start(&request_id, worker, new, credited_tokens, now_ms);
+            let new = route.tokens.saturating_sub(credited_tokens);
+            p.start(&request_id, worker, (new, credited_tokens), now_ms, true);
         }
         if let Some(approx) = &mut self.approx {
             approx.record(worker, route.locals, now_ms);
@@ -628,11 +628,11 @@ impl Decider {
                 self.slots
                     .add(&e.request_id, e.worker, blocks, prefill, now_ms)?;
                 // Another replica's request waits in the same queue (its cached part is
-                // not sent: priced as all new).
+                // not sent: priced as all new, and its first token is no sample).
                 if let Some(p) = &mut self.prefill
                     && prefill > 0
                 {
-                    p.start(&e.request_id, e.worker, prefill, 0, now_ms);
+                    p.start(&e.request_id, e.worker, (prefill, 0), now_ms, false);
                 }
                 Ok(e.worker)
             }

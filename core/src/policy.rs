@@ -82,8 +82,11 @@
 //! queued, it is capacity taken from every request waiting. `saturation_weight` (1 in
 //! ours, 0 in Dynamo's) says so: the fresh-block charge is multiplied by
 //! `1 + saturation_weight × q / own`, where `q` is the least prefill queued on any
-//! candidate and `own` the request's blocks. Light loads route as before; saturated ones
-//! keep sessions on their caches unless the queue gap is larger than the recompute.
+//! candidate and `own` the request's blocks (at least 1). Light loads route as before;
+//! saturated ones keep sessions on their caches unless the queue gap is larger than the
+//! recompute. `q / own` stands for the requests a recompute would delay, which holds when
+//! prompts are alike; for a short cached request among long ones it over-charges (it
+//! stays behind a longer queue than it should).
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
@@ -458,7 +461,7 @@ pub fn score(
                     let added = cfg.decode_delay_weight * prefill * c.decoding_requests as f64;
                     // KV memory: the decode blocks at the price of a prefill block over
                     // `prefill_load_scale`, as in the block formula.
-                    let block_ms = m[1] * bs / 1e3;
+                    let block_ms = m[1].max(0.0) * bs / 1e3;
                     let memory = block_ms / cfg.prefill_load_scale.max(1e-9) * decode;
                     (prefill, ttft, added, ttft + added + memory)
                 }
@@ -482,7 +485,13 @@ pub fn score(
                 added_delay_ms,
                 cost: match cfg.formula {
                     Formula::Blocks => {
-                        cfg.prefill_load_scale * (adjusted + fresh_weight * fresh) + decode
+                        // `fresh` 0 charges nothing, whatever the weight (no inf × 0).
+                        let charge = if fresh > 0.0 {
+                            fresh_weight * fresh
+                        } else {
+                            0.0
+                        };
+                        cfg.prefill_load_scale * (adjusted + charge) + decode
                     }
                     Formula::Time => time_cost,
                 },
@@ -522,15 +531,14 @@ pub fn choose(cfg: &CostConfig, scored: &[Scored], rng: &mut Rng) -> Option<usiz
 }
 
 fn lowest(scored: &[Scored], pool: &[usize], rng: &mut Rng) -> usize {
-    let min = pool
-        .iter()
-        .map(|&i| scored[i].cost)
-        .fold(f64::INFINITY, f64::min);
-    let ties: Vec<usize> = pool
-        .iter()
-        .copied()
-        .filter(|&i| scored[i].cost <= min)
-        .collect();
+    // A cost that is not a number ranks last (weights are checked; this keeps a bad one
+    // from emptying the ties).
+    let cost = |i: usize| {
+        let c = scored[i].cost;
+        if c.is_nan() { f64::INFINITY } else { c }
+    };
+    let min = pool.iter().map(|&i| cost(i)).fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = pool.iter().copied().filter(|&i| cost(i) <= min).collect();
     ties[rng.below(ties.len())]
 }
 
@@ -728,6 +736,34 @@ mod tests {
         };
         assert_eq!(pick(&plain), 2);
         assert_eq!(pick(&CostConfig::default()), 1);
+    }
+
+    #[test]
+    fn a_cost_that_is_no_number_ranks_last() {
+        let mut s = score(
+            &CostConfig::default(),
+            160,
+            16,
+            &[cand(1, 0, 0), cand(2, 0, 9)],
+        );
+        s[0].cost = f64::NAN;
+        let cfg = CostConfig::default();
+        assert_eq!(choose(&cfg, &s, &mut Rng::new(1)), Some(1));
+        s[1].cost = f64::NAN;
+        assert!(choose(&cfg, &s, &mut Rng::new(1)).is_some());
+        // No inf × 0: a fully cached candidate is charged nothing for fresh blocks even
+        // under an unbounded saturation charge.
+        let wild = CostConfig {
+            saturation_weight: f64::MAX,
+            ..CostConfig::default()
+        };
+        let busy = |id, overlap| Candidate {
+            active_prefill_tokens: 1 << 40,
+            ..cand(id, overlap, 0)
+        };
+        let s = score(&wild, 160, 16, &[busy(1, 10), busy(2, 0)]);
+        assert!(s[0].cost.is_finite(), "{:?}", s[0]);
+        assert_eq!(choose(&wild, &s, &mut Rng::new(1)), Some(0));
     }
 
     #[test]

@@ -17,8 +17,11 @@
 //! **Cold start.** Before a worker's first sample its model is the prior [`Prior::default`]:
 //! about 8,300 tokens/s and attention from FLOP counts of a Llama-3-8B-class model on one
 //! H100-class GPU (`b0` 20 ms, `b1` 120 ms per 1,000 tokens, `b2` 1 ms per 10^6 token
-//! pairs). The prior holds as much as a few samples (its variance), so a worker's own
-//! first-token times take over within tens of requests.
+//! pairs). Its variance is large next to a prefill's squared features, so a worker's first
+//! samples replace it almost at once: it prices workers never routed to, nothing more.
+//! A coefficient may fit below 0 where the samples do not tell the terms apart (prompts
+//! all of one size); predictions are clamped at 0, and the cost takes the per-token
+//! coefficient at no less than 0 (a negative one would reward the busy).
 //!
 //! **What is observed.** Engines prefill in arrival order (chunked prefill hands the token
 //! budget to the oldest unfinished prompt first), so a worker's prefills form a queue: a
@@ -26,7 +29,13 @@
 //! worker produced its first token, whichever is later, and ends at its own first token.
 //! That span is the sample of `t(n, c)` for the `n` and `c` charged when it was routed.
 //! Decode steps that run beside the prefill are inside the sample, so the fit prices a
-//! busy worker's prefill as slower, which it is.
+//! busy worker's prefill as slower, which it is. Engines also pack several short prompts
+//! into one step, so first tokens can come at the same instant: a request whose first
+//! token comes at the instant of the one before it on its worker shared that step and is
+//! not a sample (its span would read 0). Engines that reorder prompts (SGLang's
+//! longest-prefix-first) break the queue assumption; the clipping below bounds what one
+//! such sample does. Requests another replica routed join the queue but are not samples
+//! (that replica does not say what it credited).
 //!
 //! **The queue.** Per worker, the predicted end of the prefill routed to it: each decision
 //! adds its predicted `t`; each first token resets it to now plus the predicted `t` of the
@@ -218,6 +227,8 @@ struct Waiting {
     new_tokens: u64,
     cached_tokens: u64,
     predicted_ms: f64,
+    /// Whether its first token is a sample (false: another replica routed it).
+    learn: bool,
 }
 
 /// One worker's queue and model.
@@ -280,14 +291,15 @@ impl PrefillTimes {
     }
 
     /// A request was routed to `w` at `now_ms` with `new_tokens` to prefill behind
-    /// `cached_tokens`: it joins `w`'s queue. An id already waiting is replaced.
+    /// `cached_tokens`: it joins `w`'s queue, and its first token is a sample when `learn`.
+    /// An id already waiting is replaced.
     pub fn start(
         &mut self,
         request_id: &str,
         w: WorkerDp,
-        new_tokens: u64,
-        cached_tokens: u64,
+        (new_tokens, cached_tokens): (u64, u64),
         now_ms: u64,
+        learn: bool,
     ) {
         self.forget(request_id);
         let q = self.queue(w);
@@ -303,6 +315,7 @@ impl PrefillTimes {
                 new_tokens,
                 cached_tokens,
                 predicted_ms,
+                learn,
             },
         );
     }
@@ -315,7 +328,10 @@ impl PrefillTimes {
         let q = self.queue(r.worker);
         let started = q.last_first_ms.map_or(r.routed_ms, |t| t.max(r.routed_ms));
         let observed = now_ms.saturating_sub(started) as f64;
-        q.model.observe(r.new_tokens, r.cached_tokens, observed);
+        let batched = q.last_first_ms == Some(now_ms);
+        if r.learn && !batched {
+            q.model.observe(r.new_tokens, r.cached_tokens, observed);
+        }
         q.last_first_ms = Some(q.last_first_ms.map_or(now_ms, |t| t.max(now_ms)));
         q.pending_ms = (q.pending_ms - r.predicted_ms).max(0.0);
         q.pending = q.pending.saturating_sub(1);
@@ -462,8 +478,8 @@ mod tests {
             variance: 1e4,
         });
         assert_eq!(t.wait_ms(w, 0), 0.0);
-        t.start("a", w, 1000, 0, 0);
-        t.start("b", w, 1000, 0, 0);
+        t.start("a", w, (1000, 0), 0, true);
+        t.start("b", w, (1000, 0), 0, true);
         // Two requests of 100 ms each ahead of a third.
         assert!((t.wait_ms(w, 0) - 200.0).abs() < 1e-9);
         assert!((t.wait_ms(w, 50) - 150.0).abs() < 1e-9);
@@ -476,11 +492,22 @@ mod tests {
         assert_eq!(t.first_token("b", 240), Some(120.0));
         assert_eq!(t.wait_ms(w, 240), 0.0);
         // A cancelled request leaves the queue.
-        t.start("c", w, 1000, 0, 300);
+        t.start("c", w, (1000, 0), 300, true);
         t.forget("c");
         assert_eq!(t.wait_ms(w, 300), 0.0);
         assert_eq!(t.waiting(), 0);
         assert_eq!(t.model(w).map(PrefillModel::samples), Some(2));
+        // Two first tokens at one instant: the second shared the first's step, no sample.
+        t.start("d", w, (1000, 0), 400, true);
+        t.start("e", w, (1000, 0), 400, true);
+        assert!(t.first_token("d", 500).is_some());
+        assert!(t.first_token("e", 500).is_some());
+        assert_eq!(t.model(w).map(PrefillModel::samples), Some(3));
+        // A request another replica routed waits in the queue but is no sample.
+        t.start("f", w, (1000, 0), 600, false);
+        assert!(t.wait_ms(w, 600) > 0.0);
+        assert!(t.first_token("f", 700).is_some());
+        assert_eq!(t.model(w).map(PrefillModel::samples), Some(3));
         t.remove(w);
         assert!(t.model(w).is_none());
     }
@@ -492,8 +519,8 @@ mod tests {
         let mut now = 0;
         for i in 0..200 {
             let (a, b) = (format!("f{i}"), format!("s{i}"));
-            t.start(&a, fast, 8000, 0, now);
-            t.start(&b, slow, 8000, 0, now);
+            t.start(&a, fast, (8000, 0), now, true);
+            t.start(&b, slow, (8000, 0), now, true);
             t.first_token(&a, now + 500);
             t.first_token(&b, now + 2000);
             now += 3000;

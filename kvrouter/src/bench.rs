@@ -157,8 +157,17 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         },
     };
     cfg.cost.check().context(
-        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --temperature)",
+        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --temperature, --saturation-weight)",
     )?;
+    cfg.time
+        .check()
+        .context("invalid kv-time weights (--decode-delay-weight)")?;
+    let mut distinct = args.speed.clone();
+    distinct.sort_by(f64::total_cmp);
+    distinct.dedup();
+    if distinct.len() != args.speed.len() {
+        bail!("--speed lists a load twice");
+    }
     let speeds = args.speed.clone();
     let span_s = trace.last().map_or(0, |r| r.timestamp) as f64 / 1000.0;
     let list = |v: &[f64]| {

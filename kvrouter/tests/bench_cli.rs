@@ -310,7 +310,12 @@ fn bench_sweeps_the_load_and_reads_zstd_traces() {
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("kv-time") && svg.contains("p99 TTFT"));
     // A sweep is in-process only; an empty or bad list is refused.
-    for bad in [&["--speed", "1,0"][..], &["--speed", "1,x"][..]] {
+    for bad in [
+        &["--speed", "1,0"][..],
+        &["--speed", "1,x"][..],
+        &["--speed", "1,1"][..],
+        &["--decode-delay-weight", "-1"][..],
+    ] {
         let out = kvrouter(&[&["bench", "--limit", "5"][..], bad].concat());
         assert!(!out.status.success(), "{bad:?}");
     }

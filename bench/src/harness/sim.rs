@@ -300,7 +300,10 @@ fn run(
             .first()
             .map_or(0.0, |r| r.timestamp as f64 / cfg.speed);
     let bucket_ms = (arrivals_ms / 60.0).max(1000.0);
-    let mut busy = Busy::new(engines.len(), bucket_ms);
+    let origin_ms = trace
+        .first()
+        .map_or(0.0, |r| r.timestamp as f64 / cfg.speed);
+    let mut busy = Busy::new(engines.len(), bucket_ms, origin_ms);
     while let Some(Reverse((t_us, _, ev))) = heap.pop() {
         let now = t_us as f64 / 1000.0;
         match ev {
@@ -403,7 +406,7 @@ fn run(
         (hit, prompt),
         *ideals,
     );
-    report.utilisation = Some(busy.report(&report.requests_per_worker, first_arrival));
+    report.utilisation = Some(busy.report(&report.requests_per_worker));
     report.offered_prefix_hit_ratio =
         (router.routed_blocks > 0).then(|| router.best_blocks as f64 / router.routed_blocks as f64);
     let host_hits: u64 = engines.iter().map(|e| e.host_hit_blocks).sum();
@@ -415,19 +418,23 @@ fn run(
 /// Each worker's busy time (engine steps running) per time bucket.
 struct Busy {
     bucket_ms: f64,
+    /// Time 0 of the buckets: the first arrival, ms.
+    origin_ms: f64,
     per_worker: Vec<Vec<f64>>,
 }
 
 impl Busy {
-    fn new(workers: usize, bucket_ms: f64) -> Self {
+    fn new(workers: usize, bucket_ms: f64, origin_ms: f64) -> Self {
         Self {
             bucket_ms,
+            origin_ms,
             per_worker: vec![Vec::new(); workers],
         }
     }
 
     /// Worker `w` ran a step of `ms` from `start`.
     fn add(&mut self, w: usize, start: f64, ms: f64) {
+        let start = start - self.origin_ms;
         if !(ms > 0.0 && start >= 0.0) {
             return;
         }
@@ -448,14 +455,13 @@ impl Busy {
         }
     }
 
-    /// The busiest and the idlest worker (by requests served) over time, from the bucket
-    /// of the first arrival.
-    fn report(&self, requests: &[u64], first_arrival: f64) -> Utilisation {
-        let first = (first_arrival / self.bucket_ms) as usize;
+    /// The busiest and the idlest worker (by requests served) over time, from the first
+    /// arrival.
+    fn report(&self, requests: &[u64]) -> Utilisation {
         let len = self.per_worker.iter().map(Vec::len).max().unwrap_or(0);
         let series = |w: usize| -> WorkerUtilisation {
             let v = &self.per_worker[w];
-            let series: Vec<f64> = (first..len)
+            let series: Vec<f64> = (0..len)
                 .map(|b| v.get(b).copied().unwrap_or(0.0) / self.bucket_ms)
                 .collect();
             let mean = if series.is_empty() {
@@ -651,17 +657,21 @@ mod tests {
         }
         assert!(u.busiest.mean > 0.0);
         // Busy time adds up to the steps' durations.
-        let mut b = Busy::new(1, 1000.0);
+        let mut b = Busy::new(1, 1000.0, 0.0);
         b.add(0, 900.0, 300.0);
         b.add(0, 2500.0, 100.0);
         assert_eq!(b.per_worker[0], vec![100.0, 200.0, 100.0]);
         // Steps that start and end on bucket edges a float walk would stall on.
-        let mut b = Busy::new(1, 0.1);
+        let mut b = Busy::new(1, 0.1, 0.0);
         for i in 0..1000 {
             b.add(0, f64::from(i) * 0.3, 0.3);
         }
         let total: f64 = b.per_worker[0].iter().sum();
         assert!((total - 300.0).abs() < 1e-6, "{total}");
+        // Buckets count from the first arrival, not from time 0 (epoch timestamps).
+        let mut b = Busy::new(1, 1000.0, 1.7e12);
+        b.add(0, 1.7e12 + 500.0, 1000.0);
+        assert_eq!(b.per_worker[0], vec![500.0, 500.0]);
     }
 
     #[test]

@@ -57,6 +57,10 @@ pub struct TraceHashes {
 impl TraceHashes {
     /// The hashes of every hash id of `trace` at `block_size` (which divides 512).
     pub fn new(trace: &[TraceRequest], block_size: u32) -> Self {
+        assert!(
+            block_size > 0 && 512 % block_size == 0,
+            "the block size must divide 512"
+        );
         let mut per_id = AHashMap::new();
         let mut tokens = Vec::with_capacity(512);
         for r in trace {
