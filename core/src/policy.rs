@@ -96,7 +96,7 @@
 //! there, plus the decode-memory term priced per block. Each worker's prefill time is a
 //! model fitted online from the first tokens every front reports ([`crate::prefill`]),
 //! so unlike GPUs are priced apart. Measured in the harness it loses to the block formula
-//! on every trace at high load, so it is not the default: first-token times there are
+//! on p99 on every trace and on the mean at all but one load, so it is not the default: first-token times there are
 //! dominated by waits for KV memory (an engine holds about 33 agentic prompts), which a
 //! prefill-queue model reads as a slow worker, herding the rest of the fleet onto a few
 //! workers. The figures and the diagnosis are in docs/BENCHMARKS.md.
