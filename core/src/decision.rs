@@ -30,7 +30,7 @@ use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TierScores, 
 use crate::policy::{CostConfig, Formula, Rng, Scored, choose, score};
 use crate::prefill::PrefillTimes;
 use crate::slots::{SlotError, Slots};
-use crate::worker::{WorkerDp, WorkerId};
+use crate::worker::WorkerDp;
 
 /// Where a decision reads which blocks each worker caches.
 pub trait Lookup {
@@ -574,21 +574,14 @@ impl Decider {
         n
     }
 
-    /// A worker left the fleet: its requests are released and its approximate records
-    /// forgotten; it is never chosen again unless it is a candidate again.
-    pub fn remove_worker(&mut self, worker_id: WorkerId) {
-        self.slots.remove_worker(worker_id);
-        if let Some(approx) = &mut self.approx {
-            approx.remove_worker(worker_id);
-        }
-        if let Some(p) = &mut self.prefill {
-            p.remove_worker(worker_id);
-        }
-    }
-
-    /// One (worker, dp rank) left the fleet (the others of the worker stay).
+    /// One (worker, dp rank) left the fleet (the others of the worker stay): its requests
+    /// are released, its approximate records and learned prefill times forgotten; it is
+    /// never chosen again unless it is a candidate again.
     pub fn remove(&mut self, worker: WorkerDp) {
         self.slots.remove(worker);
+        if let Some(approx) = &mut self.approx {
+            approx.remove(worker);
+        }
         if let Some(p) = &mut self.prefill {
             p.remove(worker);
         }
@@ -869,7 +862,7 @@ mod tests {
         });
         let l = locals(&[5]);
         let out = d.decide(None, &W, route(&l, None), seqs(&l), 0).unwrap();
-        d.remove_worker(out.worker.worker_id);
+        d.remove(out.worker);
         assert_eq!(d.slots().active_requests(), 0);
         assert_eq!(d.overlaps(None, &l, 1).get(out.worker), 0);
         assert!(d.free(&out.request_id).is_err());

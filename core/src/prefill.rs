@@ -48,7 +48,7 @@
 use std::collections::HashMap;
 
 use crate::hash::MixBuildHasher;
-use crate::worker::{WorkerDp, WorkerId};
+use crate::worker::WorkerDp;
 
 /// Weight of the previous samples at each new one (an effective memory of about 200
 /// samples).
@@ -355,12 +355,6 @@ impl PrefillTimes {
                 q.pending_ms = 0.0;
             }
         }
-    }
-
-    /// A worker left: its queues and models go (all dp ranks).
-    pub fn remove_worker(&mut self, worker_id: WorkerId) {
-        self.workers.retain(|w, _| w.worker_id != worker_id);
-        self.waiting.retain(|_, r| r.worker.worker_id != worker_id);
     }
 
     /// One (worker, dp rank) left.

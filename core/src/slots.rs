@@ -50,7 +50,7 @@ use smallvec::SmallVec;
 use crate::hash::MixBuildHasher;
 use crate::index::OverlapScores;
 use crate::policy::Candidate;
-use crate::worker::{WorkerDp, WorkerId};
+use crate::worker::WorkerDp;
 
 type Map<K, V> = HashMap<K, V, MixBuildHasher>;
 
@@ -463,13 +463,6 @@ impl Slots {
             }
         }
         stale.len()
-    }
-
-    /// Drops every request of a worker, all dp ranks (it left the fleet).
-    pub fn remove_worker(&mut self, worker_id: WorkerId) {
-        self.requests.retain(|_, r| r.worker.worker_id != worker_id);
-        self.workers.retain(|w, _| w.worker_id != worker_id);
-        self.recount();
     }
 
     /// Drops every request of one (worker, dp rank).
@@ -908,7 +901,7 @@ mod tests {
         assert_eq!(s.expire(150), 1);
         assert_eq!(s.load(A).active_blocks, 1);
         assert_eq!(s.worker_of("new"), Some(A));
-        s.remove_worker(1);
+        s.remove(A);
         assert_eq!(s.active_requests(), 0);
     }
 }

@@ -19,7 +19,7 @@ use smallvec::SmallVec;
 
 use super::OverlapScores;
 use crate::hash::{LocalBlockHash, SequenceBlockHash, next_sequence_hash};
-use crate::worker::{WorkerDp, WorkerId};
+use crate::worker::WorkerDp;
 
 /// Settings of the approximate index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,17 +185,17 @@ impl ApproxIndex {
         out.finish();
     }
 
-    /// Forgets every record of a worker.
-    pub fn remove_worker(&mut self, worker_id: WorkerId) {
+    /// Forgets every record of one (worker, dp rank).
+    pub fn remove(&mut self, worker: WorkerDp) {
         let mut dropped = 0;
         self.blocks.retain(|_, h| {
             let before = h.len();
-            h.retain(|(w, _)| w.worker_id != worker_id);
+            h.retain(|(w, _)| *w != worker);
             dropped += before - h.len();
             !h.is_empty()
         });
         self.len -= dropped;
-        self.order.retain(|(_, w, _)| w.worker_id != worker_id);
+        self.order.retain(|(_, w, _)| *w != worker);
     }
 }
 
@@ -257,7 +257,7 @@ mod tests {
         assert_eq!(out.get(A), 3, "the newest record survives");
         idx.find_matches_into(&l(&[100, 200, 300]), 5, &mut out);
         assert!(out.get(A) < 3, "the oldest record was pruned");
-        idx.remove_worker(1);
+        idx.remove(A);
         assert!(idx.is_empty());
     }
 }
