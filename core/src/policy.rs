@@ -253,12 +253,10 @@ impl CostConfig {
         Ok(())
     }
 
-    /// The time-based cost ([`Formula::Time`]) with in-flight credit, on our other
-    /// defaults.
+    /// The time-based cost ([`Formula::Time`]) on our other defaults.
     pub fn time() -> Self {
         Self {
             formula: Formula::Time,
-            credit_inflight: true,
             decode_delay_weight: 1.0,
             ..Self::default()
         }
@@ -452,11 +450,9 @@ pub fn score(
                 Formula::Blocks => (0.0, 0.0, 0.0, 0.0),
                 Formula::Time => {
                     // Credited blocks are cached context; the rest is prefilled.
-                    let cached = (credit * bs).min(request_tokens as f64);
-                    let new = request_tokens as f64 - cached;
-                    let x = crate::prefill::features(new as u64, cached as u64);
+                    let cached = (credit * bs).min(request_tokens as f64) as u64;
                     let m = c.prefill_model;
-                    let prefill = (m[0] * x[0] + m[1] * x[1] + m[2] * x[2]).max(0.0);
+                    let prefill = crate::prefill::predict_ms(&m, request_tokens - cached, cached);
                     let ttft = c.wait_ms + prefill;
                     let added = cfg.decode_delay_weight * prefill * c.decoding_requests as f64;
                     // KV memory: the decode blocks at the price of a prefill block over
@@ -815,6 +811,17 @@ mod tests {
             },
             CostConfig {
                 temperature: f64::INFINITY,
+                ..Default::default()
+            },
+            CostConfig {
+                prior: crate::prefill::Prior {
+                    variance: 0.0,
+                    ..Default::default()
+                },
+                ..CostConfig::time()
+            },
+            CostConfig {
+                saturation_weight: -1.0,
                 ..Default::default()
             },
         ];

@@ -75,6 +75,11 @@ pub fn features(new_tokens: u64, cached_tokens: u64) -> [f64; 3] {
     [1.0, n / 1e3, n * (c + n / 2.0) / 1e6]
 }
 
+/// `t(n, c)` with coefficients `b` (`[b0, b1, b2]`), ms, at least 0.
+pub fn predict_ms(b: &[f64; 3], new_tokens: u64, cached_tokens: u64) -> f64 {
+    dot(b, &features(new_tokens, cached_tokens)).max(0.0)
+}
+
 /// The cold-start model and how strongly it is held.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -101,13 +106,9 @@ impl Default for Prior {
 }
 
 impl Prior {
-    /// Whether every value is finite and at least 0 (variance above 0).
-    pub fn is_valid(&self) -> bool {
+    /// Its coefficients `[b0, b1, b2]`.
+    pub fn coefficients(&self) -> [f64; 3] {
         [self.base_ms, self.ms_per_ktoken, self.ms_per_mpair]
-            .iter()
-            .all(|v| v.is_finite() && *v >= 0.0)
-            && self.variance.is_finite()
-            && self.variance > 0.0
     }
 }
 
@@ -129,7 +130,7 @@ impl PrefillModel {
     pub fn new(prior: &Prior) -> Self {
         let v = prior.variance;
         Self {
-            b: [prior.base_ms, prior.ms_per_ktoken, prior.ms_per_mpair],
+            b: prior.coefficients(),
             p: [[v, 0.0, 0.0], [0.0, v, 0.0], [0.0, 0.0, v]],
             max_trace: 3.0 * v,
             scale: 0.0,
@@ -139,8 +140,7 @@ impl PrefillModel {
 
     /// Predicted prefill of `new_tokens` behind `cached_tokens`, ms (at least 0).
     pub fn predict(&self, new_tokens: u64, cached_tokens: u64) -> f64 {
-        let x = features(new_tokens, cached_tokens);
-        dot(&self.b, &x).max(0.0)
+        predict_ms(&self.b, new_tokens, cached_tokens)
     }
 
     /// Learns from one prefill of `new_tokens` behind `cached_tokens` that took `ms`.
@@ -284,10 +284,7 @@ impl PrefillTimes {
 
     /// Predicted prefill at `w` of `new_tokens` behind `cached_tokens`, ms.
     pub fn prefill_ms(&self, w: WorkerDp, new_tokens: u64, cached_tokens: u64) -> f64 {
-        match self.workers.get(&w) {
-            Some(q) => q.model.predict(new_tokens, cached_tokens),
-            None => PrefillModel::new(&self.prior).predict(new_tokens, cached_tokens),
-        }
+        predict_ms(&self.coefficients(w), new_tokens, cached_tokens)
     }
 
     /// A request was routed to `w` at `now_ms` with `new_tokens` to prefill behind
@@ -375,14 +372,9 @@ impl PrefillTimes {
 
     /// `w`'s model's coefficients, or the prior's when it was never routed to.
     pub fn coefficients(&self, w: WorkerDp) -> [f64; 3] {
-        self.workers.get(&w).map_or(
-            [
-                self.prior.base_ms,
-                self.prior.ms_per_ktoken,
-                self.prior.ms_per_mpair,
-            ],
-            |q| q.model.coefficients(),
-        )
+        self.workers
+            .get(&w)
+            .map_or(self.prior.coefficients(), |q| q.model.coefficients())
     }
 
     /// Forgets every waiting request `keep` refuses (requests the slot manager expired).
@@ -452,14 +444,7 @@ mod tests {
         // 8,192 new tokens, no context: 20 + 120 × 8.192 + 1 × 8192 × 4096 / 10^6 ms.
         let want = 20.0 + 120.0 * 8.192 + 8192.0 * 4096.0 / 1e6;
         assert!((m.predict(8192, 0) - want).abs() < 1e-9);
-        assert!(Prior::default().is_valid());
-        assert!(
-            !Prior {
-                variance: 0.0,
-                ..Prior::default()
-            }
-            .is_valid()
-        );
+        assert_eq!(predict_ms(&Prior::default().coefficients(), 8192, 0), want);
     }
 
     #[test]
