@@ -34,12 +34,23 @@ fn kvrouter(args: &[&str]) -> std::process::Output {
         .expect("run kvrouter")
 }
 
+/// Runs kvrouter, which must succeed (its stderr otherwise); returns its stdout.
+fn kvrouter_ok(args: &[&str]) -> String {
+    let out = kvrouter(args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn bench_writes_the_contracted_json_and_plot() {
     let dir = TempDir::new("contract");
     let json = dir.path().join("out.json");
     let plot = dir.path().join("ttft.svg");
-    let out = kvrouter(&[
+    let stdout = kvrouter_ok(&[
         "bench",
         "--workers",
         "4",
@@ -56,12 +67,6 @@ fn bench_writes_the_contracted_json_and_plot() {
         "--plot",
         plot.to_str().unwrap(),
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for p in ["kv-aware", "round-robin", "random", "least-loaded"] {
         assert!(
             stdout.lines().any(|l| l.starts_with(p)),
@@ -118,7 +123,7 @@ fn bench_reads_a_trace_file_and_rejects_bad_usage() {
          {\"timestamp\":10,\"input_length\":1024,\"output_length\":4,\"hash_ids\":[1,2]}\n",
     )
     .unwrap();
-    let out = kvrouter(&[
+    let stdout = kvrouter_ok(&[
         "bench",
         "--trace",
         trace.to_str().unwrap(),
@@ -127,12 +132,6 @@ fn bench_reads_a_trace_file_and_rejects_bad_usage() {
         "--policies",
         "kv-aware",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
     // The second request goes where the first one's blocks are: 50 % hits, the ideal.
     let row = stdout.lines().find(|l| l.starts_with("kv-aware")).unwrap();
     assert!(row.contains("50.0"), "{row}");
@@ -192,7 +191,7 @@ fn bench_over_nats_runs_engine_processes_and_the_real_router() {
     std::fs::write(&trace, lines).unwrap();
     let json = dir.path().join("net.json");
     let url = nats.url();
-    let out = kvrouter(&[
+    kvrouter_ok(&[
         "bench",
         "--nats",
         &url,
@@ -209,11 +208,6 @@ fn bench_over_nats_runs_engine_processes_and_the_real_router() {
         "--stall-timeout-secs",
         "20",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     for p in ["kv-aware", "round-robin"] {
         assert_eq!(v[p]["completed"].as_u64(), Some(12), "{p}: {v}");
@@ -262,7 +256,7 @@ fn bench_sweeps_the_load_and_reads_zstd_traces() {
     std::fs::write(&trace, zstd::encode_all(text.as_bytes(), 3).unwrap()).unwrap();
     let json = dir.path().join("sweep.json");
     let plot = dir.path().join("sweep.svg");
-    let out = kvrouter(&[
+    let stdout = kvrouter_ok(&[
         "bench",
         "--trace",
         trace.to_str().unwrap(),
@@ -277,12 +271,6 @@ fn bench_sweeps_the_load_and_reads_zstd_traces() {
         "--plot",
         plot.to_str().unwrap(),
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(stdout.contains("load sweep"), "{stdout}");
     assert!(stdout.contains("busiest w"), "{stdout}");
     let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();

@@ -379,6 +379,24 @@ pub fn write_sweep_json(
     Ok(())
 }
 
+/// Draws a chart's legend at `at`, boxed on a light background.
+fn legend<'a, DB, CT>(
+    chart: &mut plotters::prelude::ChartContext<'a, DB, CT>,
+    at: plotters::prelude::SeriesLabelPosition,
+) -> Result<(), plotters::prelude::DrawingAreaErrorKind<DB::ErrorType>>
+where
+    DB: plotters::prelude::DrawingBackend + 'a,
+    CT: plotters::coord::CoordTranslate,
+{
+    use plotters::prelude::*;
+    chart
+        .configure_series_labels()
+        .position(at)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+}
+
 /// Writes mean and p99 TTFT against load (log scale), one line per policy, as an SVG of
 /// two panels.
 pub fn write_sweep_svg(
@@ -455,13 +473,7 @@ pub fn write_sweep_svg(
                 )
                 .map_err(|e| err(&e))?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(&e))?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft).map_err(|e| err(&e))?;
     }
     root.present().map_err(|e| err(&e))?;
     Ok(())
@@ -531,13 +543,7 @@ pub fn write_svg(path: &Path, reports: &[PolicyReport], title: &str) -> anyhow::
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
             });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }

@@ -26,13 +26,11 @@ pub struct Ideals {
 impl Ideals {
     /// Both ideals for `trace` under `cfg`'s engines.
     pub fn compute(trace: &[TraceRequest], hashes: &TraceHashes, cfg: &SimConfig) -> Self {
-        let bs = cfg.engine.block_size;
         Ideals {
-            infinite: ideal_hit_ratio(trace, hashes, bs, usize::MAX),
+            infinite: ideal_hit_ratio(trace, hashes, usize::MAX),
             capacity: ideal_hit_ratio(
                 trace,
                 hashes,
-                bs,
                 cfg.engine.capacity_blocks.saturating_mul(cfg.workers),
             ),
         }
@@ -270,6 +268,11 @@ fn run(
     ideals: &Ideals,
     mut progress: impl FnMut(usize),
 ) -> (PolicyReport, Router, Vec<Engine>) {
+    assert_eq!(
+        hashes.block_size(),
+        cfg.engine.block_size,
+        "the trace's hashes are at the engines' block size"
+    );
     let workers: Vec<WorkerDp> = (0..cfg.workers)
         .map(|i| WorkerDp::new(i as u64 + 1, 0))
         .collect();

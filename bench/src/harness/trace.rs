@@ -78,16 +78,21 @@ impl TraceHashes {
         Self { block_size, per_id }
     }
 
+    /// Tokens per block of these hashes.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
     /// The local hashes of `r`'s full blocks: equal to hashing [`TraceRequest::tokens`].
     pub fn locals(&self, r: &TraceRequest) -> Vec<LocalBlockHash> {
         let tokens = (r.input_length as usize).min(512 * r.hash_ids.len());
-        let n = tokens / self.block_size.max(1) as usize;
+        let n = tokens / self.block_size as usize;
         let mut out = Vec::with_capacity(n);
         for id in &r.hash_ids {
             if out.len() >= n {
                 break;
             }
-            let take = (n - out.len()).min(512 / self.block_size.max(1) as usize);
+            let take = (n - out.len()).min(512 / self.block_size as usize);
             out.extend_from_slice(&self.per_id[id][..take]);
         }
         out
@@ -111,18 +116,17 @@ pub fn load_trace(text: &str, limit: Option<usize>) -> anyhow::Result<Vec<TraceR
     Ok(out)
 }
 
-/// Fraction of prompt blocks (of `block_size` tokens) that one cache of `capacity_blocks`
+/// Fraction of prompt blocks (of `hashes`' block size) that one cache of `capacity_blocks`
 /// shared by all workers would serve when the requests run one after another in arrival
 /// order, evicting least-recently-used leaves: what the cache capacity allows a perfect
 /// router. With `usize::MAX` it is the infinite-cache ideal, the best any router can do.
 pub fn ideal_hit_ratio(
     trace: &[TraceRequest],
     hashes: &TraceHashes,
-    block_size: u32,
     capacity_blocks: usize,
 ) -> f64 {
     let cfg = EngineConfig {
-        block_size,
+        block_size: hashes.block_size(),
         capacity_blocks,
         max_batch_tokens: u32::MAX,
         max_running: 1,
@@ -186,9 +190,9 @@ mod tests {
         assert!((ideal_hit_ratio_trace_blocks(&twice) - 0.5).abs() < 1e-9);
         // 600 tokens = 9 blocks of 64; the second request hits all 9.
         let hashes = TraceHashes::new(&twice, 64);
-        assert!((ideal_hit_ratio(&twice, &hashes, 64, usize::MAX) - 0.5).abs() < 1e-9);
+        assert!((ideal_hit_ratio(&twice, &hashes, usize::MAX) - 0.5).abs() < 1e-9);
         // A cache of 4 blocks keeps only part of the prompt: fewer hits.
-        assert!(ideal_hit_ratio(&twice, &hashes, 64, 4) < 0.5);
+        assert!(ideal_hit_ratio(&twice, &hashes, 4) < 0.5);
         assert!(load_trace("{bad", None).is_err());
     }
 
