@@ -478,3 +478,62 @@ fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
     }
     ingest.stop();
 }
+
+/// A configured engine is listed from the start and kept while its publisher is connected,
+/// however long it is idle; once the publisher goes away it is removed (index and listing)
+/// after the silence timeout, and listed again when it comes back.
+#[test]
+fn a_static_engine_that_goes_away_is_removed_after_the_silence_timeout() {
+    let p = free_port();
+    let e = ZmqEngine::new(
+        "leaver",
+        Endpoint::parse(&format!("tcp://127.0.0.1:{p}")).unwrap(),
+        BS,
+    );
+    let w = WorkerDp::new(e.worker_id, 0);
+    let ingest = Ingest::start(IngestConfig {
+        nats: None,
+        zmq_engines: vec![e.clone()],
+        silence_timeout: Duration::from_millis(800),
+        ..IngestConfig::default()
+    })
+    .expect("the ingest starts without NATS");
+    let listed = |ingest: &Ingest| ingest.workers().iter().any(|s| s.worker == w);
+    wait_until("listed at start", Duration::from_secs(10), || {
+        listed(&ingest)
+    });
+    let mut engine = PyEngine::start(&["--pub", &format!("tcp://*:{p}")]);
+    wait_until("connected", Duration::from_secs(10), || {
+        ingest.stats().zmq_connects >= 1
+    });
+    let mut cache = Cache::new(9);
+    let mut expected = Expected::new(e.worker_id);
+    for _ in 0..20 {
+        let events = cache.batch();
+        expected.apply(&events);
+        engine.send(&json!({"op": "batch", "events": events, "dp_rank": 0}));
+    }
+    wait_applied(&ingest, w, expected.last_id());
+    assert_same(&ingest, &expected.index, &cache.queries());
+    // Idle but connected, well past the timeout: kept.
+    std::thread::sleep(Duration::from_millis(2_000));
+    assert!(listed(&ingest), "an idle connected engine was removed");
+    assert_same(&ingest, &expected.index, &cache.queries());
+    // Gone: removed after the timeout, with its blocks.
+    drop(engine);
+    wait_until("removed once silent", Duration::from_secs(10), || {
+        !listed(&ingest)
+    });
+    assert!(
+        cache
+            .queries()
+            .iter()
+            .all(|q| ingest.reader().find_matches(q).is_empty()),
+        "the removed engine's blocks are still indexed"
+    );
+    // Back: listed again.
+    let engine = PyEngine::start(&["--pub", &format!("tcp://*:{p}")]);
+    wait_until("listed again", Duration::from_secs(10), || listed(&ingest));
+    engine.finish();
+    ingest.stop();
+}

@@ -83,7 +83,7 @@ impl NatsSource {
                 Ok(s) => s,
                 Err(NatsError::Closed) => return,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot subscribe the delivery subject");
+                    crate::warn_throttled!(error = %e, "cannot subscribe the delivery subject; retrying");
                     glommio::timer::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                     continue;
@@ -106,7 +106,7 @@ impl NatsSource {
                 if matches!(e, jetstream::JsError::Nats(NatsError::Closed)) {
                     return;
                 }
-                tracing::warn!(error = %crate::Chain(&e), "cannot create the durable consumer; retrying");
+                crate::warn_throttled!(error = %crate::Chain(&e), "cannot create the durable consumer; retrying");
                 glommio::timer::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
                 continue;
@@ -130,7 +130,7 @@ impl NatsSource {
                     Some(None) => return, // the client closed
                     None if client.is_connected() => {
                         self.hub.bump(|s| s.js_resets += 1);
-                        tracing::warn!(
+                        crate::warn_throttled!(
                             "no deliveries nor heartbeats from the consumer: re-creating it"
                         );
                         break;
@@ -151,14 +151,14 @@ impl NatsSource {
                     // the stream: the consumer or the stream was re-created behind our back.
                     self.hub.bump(|s| s.js_resets += 1);
                     if applied {
-                        tracing::warn!(
+                        crate::warn_throttled!(
                             stream_seq = dl.stream_seq,
                             applied = self.hub.durable.dispatched_seq.get(),
                             "the stream's numbering went back (re-created?): replaying it from the start"
                         );
                         self.hub.durable.dispatched_seq.set(0);
                     } else {
-                        tracing::warn!(
+                        crate::warn_throttled!(
                             "the consumer was re-created by someone else (two replicas with one consumer name?)"
                         );
                     }
@@ -171,7 +171,7 @@ impl NatsSource {
                 }
                 if dl.consumer_seq > last_cseq + 1 {
                     self.hub.bump(|s| s.js_resets += 1);
-                    tracing::warn!(
+                    crate::warn_throttled!(
                         expected = last_cseq + 1,
                         got = dl.consumer_seq,
                         "deliveries lost in flight: re-creating the consumer after the last applied message"

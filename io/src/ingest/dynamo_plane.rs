@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use kvrouter_core::codec::{self, Envelope, kv, metrics};
+use kvrouter_core::codec;
 use kvrouter_core::worker::{WorkerDp, WorkerId};
 use serde_json::Value;
 
@@ -235,11 +235,16 @@ async fn on_message(hub: &Hub, last: &mut HashMap<u64, u64>, frames: Vec<Vec<u8>
     hub.bump(|s| s.zmq_messages += 1);
     let [topic, publisher, seq, frame] = frames.as_slice() else {
         hub.bump(|s| s.decode_errors += 1);
+        crate::warn_throttled!(
+            frames = frames.len(),
+            "ZMQ plane message without four frames skipped"
+        );
         return;
     };
     let be = |b: &[u8]| <[u8; 8]>::try_from(b).ok().map(u64::from_be_bytes);
     let (Some(publisher), Some(seq)) = (be(publisher), be(seq)) else {
         hub.bump(|s| s.decode_errors += 1);
+        crate::warn_throttled!("ZMQ plane message with a malformed publisher id or seq skipped");
         return;
     };
     if let Some(prev) = last.insert(publisher, seq)
@@ -252,38 +257,14 @@ async fn on_message(hub: &Hub, last: &mut HashMap<u64, u64>, frames: Vec<Vec<u8>
         Ok(i) => i,
         Err(e) => {
             hub.bump(|s| s.decode_errors += 1);
-            tracing::debug!(error = %e, "undecodable ZMQ plane frame");
+            crate::warn_throttled!(error = %e, "undecodable ZMQ plane frame skipped");
             return;
         }
     };
     if topic.as_slice() == codec::TOPIC_KV_EVENTS.as_bytes() {
-        hub.bump(|s| s.messages += 1);
-        match kv::decode_message(inner) {
-            Ok((env, events)) => {
-                for e in &events {
-                    hub.workers.seen(e.worker_id, None, arrived);
-                }
-                hub.shards.events(events, env.publisher_id, arrived).await;
-            }
-            Err(e) => {
-                hub.bump(|s| s.decode_errors += 1);
-                tracing::debug!(error = %e, "undecodable kv-events message");
-            }
-        }
-        return;
-    }
-    match Envelope::decode(inner).and_then(|env| metrics::heartbeat_worker(&env)) {
-        Ok(Some(w)) => {
-            hub.workers.seen(w.worker_id, None, arrived);
-            if hub.workers.first_sight(w) {
-                hub.register(vec![w]).await;
-            }
-        }
-        Ok(None) => {}
-        Err(e) => {
-            hub.bump(|s| s.decode_errors += 1);
-            tracing::debug!(error = %e, "undecodable metrics message");
-        }
+        hub.kv_events(inner, arrived).await;
+    } else {
+        hub.heartbeat(inner, arrived).await;
     }
 }
 

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use kvrouter_core::codec::{Envelope, kv, metrics};
 use kvrouter_core::worker::WorkerDp;
 
 use super::IngestError;
@@ -86,6 +87,54 @@ impl Hub {
                 .shards
                 .to_worker(worker_id, ShardCmd::Register { workers })
                 .await;
+        }
+    }
+
+    /// One kv-events message in Dynamo's envelope (a NATS message, or the frame of Dynamo's
+    /// ZMQ plane): decoded leniently, so that a malformed event is counted and skipped and
+    /// the rest of its message applies, then handed to the shards.
+    pub(super) async fn kv_events(&self, payload: &[u8], arrived: Instant) {
+        let (publisher, events) = match kv::decode_message_lenient(payload) {
+            Ok((env, decoded)) => {
+                if decoded.bad > 0 {
+                    self.bump(|s| s.malformed_events += decoded.bad as u64);
+                    if let Some(e) = &decoded.first_error {
+                        crate::warn_throttled!(error = %e, bad = decoded.bad, "malformed events skipped; the rest of their message applied");
+                    }
+                }
+                (env.publisher_id, decoded.events)
+            }
+            Err(e) => {
+                self.bump(|s| {
+                    s.messages += 1;
+                    s.decode_errors += 1;
+                });
+                crate::warn_throttled!(error = %e, kind = e.kind(), "undecodable kv-events message skipped");
+                return;
+            }
+        };
+        self.bump(|s| s.messages += 1);
+        for e in &events {
+            self.workers.seen(e.worker_id, None, arrived);
+        }
+        self.shards.events(events, publisher, arrived).await;
+    }
+
+    /// One metrics message (`kv_metrics`, `forward-pass-metrics`): a heartbeat of its
+    /// worker, which is routable from the first one, before its first KV event.
+    pub(super) async fn heartbeat(&self, payload: &[u8], arrived: Instant) {
+        match Envelope::decode(payload).and_then(|env| metrics::heartbeat_worker(&env)) {
+            Ok(Some(w)) => {
+                self.workers.seen(w.worker_id, None, arrived);
+                if self.workers.first_sight(w) {
+                    self.register(vec![w]).await;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                self.bump(|s| s.decode_errors += 1);
+                crate::warn_throttled!(error = %e, "undecodable metrics message skipped");
+            }
         }
     }
 

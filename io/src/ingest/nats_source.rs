@@ -12,7 +12,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvrouter_core::codec::{self, Envelope, kv, metrics};
+use kvrouter_core::codec;
 use kvrouter_core::recovery::{Announcement, RecoveryReply, RecoveryRequest};
 use kvrouter_core::worker::{DpRank, WorkerId};
 
@@ -163,50 +163,13 @@ impl NatsSource {
     /// Metrics messages: heartbeats only.
     async fn heartbeats(&self, sub: Subscription) {
         while let Some(msg) = sub.next().await {
-            match Envelope::decode(&msg.payload).and_then(|env| metrics::heartbeat_worker(&env)) {
-                Ok(Some(w)) => {
-                    self.hub.workers.seen(w.worker_id, None, Instant::now());
-                    // Routable from its first heartbeat, before its first KV event.
-                    if self.hub.workers.first_sight(w) {
-                        self.hub.register(vec![w]).await;
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    self.hub.bump(|s| s.decode_errors += 1);
-                    tracing::debug!(error = %e, "undecodable metrics message");
-                }
-            }
+            self.hub.heartbeat(&msg.payload, Instant::now()).await;
         }
     }
 
     /// One kv-events message: decoded and handed to the shards.
     pub(super) async fn on_events(&self, payload: &[u8]) {
-        let arrived = Instant::now();
-        let (publisher, events) = match kv::decode_message_lenient(payload) {
-            Ok((env, decoded)) => {
-                if decoded.bad > 0 {
-                    self.hub.bump(|s| s.malformed_events += decoded.bad as u64);
-                    if let Some(e) = &decoded.first_error {
-                        crate::warn_throttled!(error = %e, bad = decoded.bad, "malformed events skipped; the rest of their message applied");
-                    }
-                }
-                (env.publisher_id, decoded.events)
-            }
-            Err(e) => {
-                self.hub.bump(|s| {
-                    s.messages += 1;
-                    s.decode_errors += 1;
-                });
-                crate::warn_throttled!(error = %e, kind = e.kind(), "undecodable kv-events message skipped");
-                return;
-            }
-        };
-        self.hub.bump(|s| s.messages += 1);
-        for e in &events {
-            self.hub.workers.seen(e.worker_id, None, arrived);
-        }
-        self.hub.shards.events(events, publisher, arrived).await;
+        self.hub.kv_events(payload, Instant::now()).await;
     }
 
     async fn on_announcement(&self, a: Announcement) {
