@@ -210,3 +210,63 @@ fn events_that_leave_an_unknown_worker_empty_create_no_worker() {
     api.stop();
     ingest.stop();
 }
+
+/// 30,000 workers, each with one cached block: `GET /v1/workers` lists every one with its
+/// block (the listing is one pass over the ingest's summaries, not a search per worker),
+/// and routes answered between listings stay correct. The listing's time is printed
+/// (`--nocapture`); docs/BENCHMARKS.md has the release build's figure.
+#[test]
+fn thirty_thousand_workers_are_listed_in_one_pass() {
+    use kvrouter_core::codec::{Subjects, kv};
+    use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+    const N: u64 = 30_000;
+    let server = NatsServer::start();
+    let ingest = Ingest::start(IngestConfig {
+        nats: Some(nats_opts(&server.url())),
+        shards: 2,
+        ..IngestConfig::default()
+    })
+    .unwrap();
+    let api = api(&ingest);
+    let addr = api.addr().to_string();
+    let url = server.url();
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let subject = Subjects::default().kv_events();
+            for id in 1..=N {
+                let block = (LocalBlockHash(id), SequenceBlockHash(id));
+                let e = RouterEvent::new(id, KvCacheEvent::stored(0, 0, None, [block]));
+                let msg = kv::encode_message(id, 0, 0, &[e]).unwrap();
+                client.publish(&subject, &msg).await.unwrap();
+            }
+            client.flush(Duration::from_secs(10)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    wait_until("every worker indexed", Duration::from_secs(60), || {
+        ingest.workers().len() == N as usize
+    });
+    let mut times = Vec::new();
+    for round in 0..3u64 {
+        let started = std::time::Instant::now();
+        let (status, v) = json(http(&addr, "GET", "/v1/workers", "", &[]));
+        times.push(started.elapsed());
+        assert_eq!(status, 200);
+        let rows = v["workers"].as_array().expect("rows");
+        assert_eq!(rows.len(), N as usize);
+        assert!(
+            rows.iter().all(|w| w["cached_blocks"].as_u64() == Some(1)),
+            "a worker without its block"
+        );
+        // A route for one worker's block picks that worker.
+        let id = 1 + round * 9_999;
+        let body = format!(r#"{{"block_hashes": [{id}], "request_id": "big{round}"}}"#);
+        let (status, v) = json(http(&addr, "POST", "/v1/route", &body, &[]));
+        assert_eq!((status, v["worker_id"].as_u64()), (200, Some(id)), "{v}");
+    }
+    eprintln!("GET /v1/workers with {N} workers: {times:?}");
+    api.stop();
+    ingest.stop();
+}

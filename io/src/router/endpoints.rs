@@ -2,7 +2,6 @@
 //! state and the index, and turned into a response, all on the API executor (no locks:
 //! one executor owns the [`State`]).
 
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -297,30 +296,49 @@ impl State {
     }
 
     fn workers_json(&mut self) -> Response {
-        let summaries: HashMap<WorkerDp, _> = self
+        /// One row of the listing, serialised as it is built (no JSON tree per row: the
+        /// listing of 30,000 workers is one pass).
+        #[derive(Serialize)]
+        struct Row {
+            worker_id: u64,
+            dp_rank: u32,
+            cached_blocks: usize,
+            last_event_id: Option<u64>,
+            active_blocks: u64,
+            active_prefill_tokens: u64,
+            active_requests: u64,
+        }
+        #[derive(Serialize)]
+        struct Listing {
+            workers: Vec<Row>,
+        }
+        // Both lists are sorted by worker: one merge walk pairs them.
+        let summaries = self
             .ingest
             .as_ref()
-            .map(|i| i.workers().into_iter().map(|s| (s.worker, s)).collect())
+            .map(IngestView::workers)
             .unwrap_or_default();
-        let rows: Vec<serde_json::Value> = self
-            .known_workers()
-            .into_iter()
-            .map(|w| {
-                let s = summaries.get(&w);
-                let load = self.decider.slots().load(w);
-                serde_json::json!({
-                    "worker_id": w.worker_id,
-                    "dp_rank": w.dp_rank,
-                    "cached_blocks": s.map_or(0, |s| s.blocks),
-                    "last_event_id": s.and_then(|s| s.last_event_id),
-                    "active_blocks": load.active_blocks,
-                    "active_prefill_tokens": load.active_prefill_tokens,
-                    "active_requests": load.active_requests,
-                })
-            })
-            .collect();
-        let body = serde_json::json!({ "workers": rows });
-        Response::json(200, serde_json::to_vec(&body).unwrap_or_default())
+        let mut next = summaries.iter().peekable();
+        let known = self.known_workers();
+        let mut workers = Vec::with_capacity(known.len());
+        for w in known {
+            while next.next_if(|s| s.worker < w).is_some() {}
+            let s = next.next_if(|s| s.worker == w);
+            let load = self.decider.slots().load(w);
+            workers.push(Row {
+                worker_id: w.worker_id,
+                dp_rank: w.dp_rank,
+                cached_blocks: s.map_or(0, |s| s.blocks),
+                last_event_id: s.and_then(|s| s.last_event_id),
+                active_blocks: load.active_blocks,
+                active_prefill_tokens: load.active_prefill_tokens,
+                active_requests: load.active_requests,
+            });
+        }
+        Response::json(
+            200,
+            serde_json::to_vec(&Listing { workers }).unwrap_or_default(),
+        )
     }
 
     fn healthy(&self) -> bool {
