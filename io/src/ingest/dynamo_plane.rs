@@ -26,8 +26,8 @@
 //! does on NATS. Repairing it would take the worker's local indexer, which Dynamo serves on
 //! its own TCP request plane (the `worker_kv_query_source_*` endpoints), not on ZMQ or NATS;
 //! kvrouter does not speak that plane, so a gap on this plane is counted and logged and the
-//! event applied, as for a worker without a local indexer. etcd discovery is not read (no
-//! etcd here to test against).
+//! event applied, as for a worker without a local indexer. etcd discovery is not read yet
+//! (not built; Debian's `etcd-server` could test it).
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
