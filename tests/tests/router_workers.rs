@@ -147,15 +147,20 @@ fn a_duplicate_request_id_is_one_client_error() {
 
 /// Removals, clears and rejected stores from worker ids never seen create no worker:
 /// nothing routable with zero blocks, nothing listed, each counted.
-#[test]
-fn events_that_leave_an_unknown_worker_empty_create_no_worker() {
-    let server = NatsServer::start();
-    let ingest = Ingest::start(IngestConfig {
+/// An ingest of two shard cores reading `server`.
+fn two_shard_ingest(server: &NatsServer) -> Ingest {
+    Ingest::start(IngestConfig {
         nats: Some(nats_opts(&server.url())),
         shards: 2,
         ..IngestConfig::default()
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn events_that_leave_an_unknown_worker_empty_create_no_worker() {
+    let server = NatsServer::start();
+    let ingest = two_shard_ingest(&server);
     let api = api(&ingest);
     let addr = api.addr().to_string();
     let url = server.url();
@@ -221,12 +226,7 @@ fn thirty_thousand_workers_are_listed_in_one_pass() {
     use kvrouter_core::event::{KvCacheEvent, RouterEvent};
     const N: u64 = 30_000;
     let server = NatsServer::start();
-    let ingest = Ingest::start(IngestConfig {
-        nats: Some(nats_opts(&server.url())),
-        shards: 2,
-        ..IngestConfig::default()
-    })
-    .unwrap();
+    let ingest = two_shard_ingest(&server);
     let api = api(&ingest);
     let addr = api.addr().to_string();
     let url = server.url();
