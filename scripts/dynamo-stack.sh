@@ -11,8 +11,9 @@ if [ ! -f "$setup" ]; then
 fi
 V=${KVROUTER_DYNAMO_VENV:-target/dynamo-venv}
 M=${KVROUTER_DYNAMO_MODEL:-target/dynamo-model}
+bash scripts/debian-deps.sh
 mkdir -p target
 bash "$setup" "$V" "$M" >&2
 export KVROUTER_DYNAMO_VENV=$(cd "$V" && pwd)
 export KVROUTER_DYNAMO_MODEL=$(cd "$M" && pwd)
-timeout "${1:-600}" cargo test -p kvrouter --features dynamo-stack --test dynamo_stack --locked -- --nocapture
+timeout "${1:-600}" cargo test -p kvrouter --features dynamo-stack --test dynamo_stack --locked -- --nocapture --test-threads 1

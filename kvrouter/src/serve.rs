@@ -15,12 +15,45 @@ use kvrouter_core::policy::{CostConfig, Formula, Herd};
 use kvrouter_core::prefill::Prior;
 use kvrouter_core::worker::WorkerDp;
 use kvrouter_io::http::HttpConfig;
-use kvrouter_io::ingest::{DurableConfig, Ingest, IngestConfig, SnapshotConfig, ZmqEngine};
+use kvrouter_io::ingest::{
+    DurableConfig, DynamoDiscovery, Ingest, IngestConfig, SnapshotConfig, ZmqEngine,
+};
 use kvrouter_io::nats::Options;
 use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target, UpstreamConfig};
 use kvrouter_io::router::{self, RouterConfig};
 use kvrouter_io::zmq::Endpoint;
 use serde::{Deserialize, Serialize};
+
+/// `--dynamo-discovery`: `file:DIR`, `etcd:URL[,URL...]`, or `etcd` (then `etcd_env`,
+/// Dynamo's `ETCD_ENDPOINTS`, else its default).
+fn dynamo_discovery(spec: &str, etcd_env: Option<&str>) -> anyhow::Result<DynamoDiscovery> {
+    if let Some(dir) = spec.strip_prefix("file:") {
+        return Ok(DynamoDiscovery::File(PathBuf::from(dir)));
+    }
+    let urls = match spec.strip_prefix("etcd") {
+        Some("") => etcd_env
+            .filter(|e| !e.trim().is_empty())
+            .unwrap_or("http://localhost:2379"),
+        Some(rest) => rest.strip_prefix(':').unwrap_or(""),
+        None => "",
+    };
+    anyhow::ensure!(
+        !urls.is_empty(),
+        "--dynamo-discovery {spec:?}: expected file:DIR, etcd or etcd:http://HOST:PORT[,...]"
+    );
+    let targets = urls
+        .split(',')
+        .map(|u| {
+            let u = u.trim();
+            anyhow::ensure!(
+                u.starts_with("http://"),
+                "--dynamo-discovery: etcd endpoint {u:?}: only http:// (no TLS) is supported"
+            );
+            Target::parse(u).map_err(anyhow::Error::msg)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(DynamoDiscovery::Etcd(targets))
+}
 
 /// Flags of `kvrouter serve`; each has an environment fallback and a key in the TOML file.
 #[derive(Debug, Args)]
@@ -41,8 +74,9 @@ pub(crate) struct ServeArgs {
         value_delimiter = ';'
     )]
     zmq_engines: Option<Vec<String>>,
-    /// Dynamo's discovery: `file:DIR` (its `DYN_FILE_KV` directory) for the workers and
-    /// its ZMQ event plane.
+    /// Dynamo's discovery, for the workers and its ZMQ event plane: `file:DIR` (its
+    /// `DYN_FILE_KV` directory), or `etcd:http://HOST:PORT[,http://...]`, or `etcd` alone
+    /// (the endpoints of `ETCD_ENDPOINTS`, else `http://localhost:2379`, as Dynamo does).
     #[arg(long, env = "KVROUTER_DYNAMO_DISCOVERY")]
     dynamo_discovery: Option<String>,
     /// NATS token.
@@ -723,12 +757,11 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .map(|e| e.engine(cfg.block_size))
         .collect::<anyhow::Result<_>>()?;
     let proxy = cfg.proxy(&engines)?;
-    let discovery = match cfg.dynamo_discovery.as_deref() {
-        None => None,
-        Some(d) => Some(PathBuf::from(d.strip_prefix("file:").with_context(
-            || format!("--dynamo-discovery {d:?}: only file:DIR is supported (etcd is not)"),
-        )?)),
-    };
+    let discovery = cfg
+        .dynamo_discovery
+        .as_deref()
+        .map(|d| dynamo_discovery(d, std::env::var("ETCD_ENDPOINTS").ok().as_deref()))
+        .transpose()?;
     let random_id = cfg.router_id == 0;
     if cfg.router_id == 0 {
         let nanos = std::time::SystemTime::now()
@@ -1013,6 +1046,36 @@ mod tests {
             toml::from_str::<ServeConfig>("[[engines]]\nname = \"a\"\nevents = \"x\"\nport = 1\n")
                 .is_err()
         );
+    }
+
+    #[test]
+    fn dynamo_discovery_is_a_file_tree_or_etcd_endpoints() {
+        assert_eq!(
+            dynamo_discovery("file:/var/lib/dynamo", None).unwrap(),
+            DynamoDiscovery::File(PathBuf::from("/var/lib/dynamo"))
+        );
+        let etcd = |spec: &str, env: Option<&str>| match dynamo_discovery(spec, env).unwrap() {
+            DynamoDiscovery::Etcd(t) => t.iter().map(|t| t.addr.to_string()).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            etcd("etcd:http://127.0.0.1:2379,http://127.0.0.2:2380", None),
+            ["127.0.0.1:2379", "127.0.0.2:2380"]
+        );
+        // `etcd` alone: Dynamo's ETCD_ENDPOINTS, else its default.
+        assert_eq!(
+            etcd("etcd", Some("http://127.0.0.3:1234")),
+            ["127.0.0.3:1234"]
+        );
+        assert!(etcd("etcd", None)[0].ends_with(":2379"));
+        for bad in [
+            "etcd:https://127.0.0.1:2379",
+            "etcd:",
+            "consul:x",
+            "/var/lib/dynamo",
+        ] {
+            assert!(dynamo_discovery(bad, None).is_err(), "{bad}");
+        }
     }
 
     #[test]

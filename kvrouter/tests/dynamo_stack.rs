@@ -5,6 +5,10 @@
 //! both for the router on Dynamo's plane and for one on the mocker's vLLM-native wire
 //! (`--zmq-kv-events-ports`, with replay).
 //!
+//! With etcd discovery (a real etcd, Debian's `etcd-server`) the same: the idle fleet listed
+//! within a second, `/v1/overlaps` equal to the RadixTree's, and a killed fleet removed once
+//! etcd's leases lapse.
+//!
 //! Slow (the stack takes seconds to start), so not part of `scripts/test.sh`: run by
 //! `scripts/dynamo-stack.sh`, which installs the stack and calls this test with the feature
 //! `dynamo-stack` and a time limit (CI does).
@@ -15,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvrouter_tests::etcd::Etcd;
 use kvrouter_tests::{free_port, http};
 use serde_json::{Value, json};
 
@@ -34,9 +39,14 @@ fn env(name: &str) -> PathBuf {
 }
 
 fn dynamo(venv: &Path, kv: &Path, args: &[&str], log: &Path) -> Proc {
+    dynamo_env(venv, kv, args, log, &[])
+}
+
+fn dynamo_env(venv: &Path, kv: &Path, args: &[&str], log: &Path, env: &[(&str, &str)]) -> Proc {
     let child = Command::new(venv.join("bin/python"))
         .args(args)
         .env("DYN_FILE_KV", kv)
+        .envs(env.iter().copied())
         .env("HF_HUB_OFFLINE", "1")
         .envs(
             [
@@ -142,6 +152,51 @@ fn overlaps(addr: &str, q: &[u64]) -> HashMap<(u64, u64), u64> {
             )
         })
         .collect()
+}
+
+/// Real traffic: chat requests over three shared system prompts, through the frontend.
+fn chat_traffic(front: &str) {
+    for i in 0..30 {
+        let system = format!(
+            "You are assistant number {}. {}",
+            i % 3,
+            "Answer briefly. ".repeat(40)
+        );
+        let body = json!({
+            "model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("question {i}")}],
+        });
+        let (status, out) = http(
+            front,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &[("Content-Type", "application/json")],
+        );
+        assert_eq!(status, 200, "{out}");
+    }
+}
+
+/// Dynamo's RadixTree fed from the kv-events publishers `discovery` lists (a file tree, or
+/// `etcd:URL`), once it has subscribed to `n` of them.
+fn dynamo_tree(venv: &Path, discovery: &str, n: usize) -> Tree {
+    let mut child = Command::new(venv.join("bin/python"))
+        .arg(kvrouter_tests::repo_root().join("tests/py/dynamo_tree.py"))
+        .args([discovery, &n.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), format!("subscribed {n}"));
+    Tree {
+        _p: Proc(child),
+        stdin,
+        stdout,
+    }
 }
 
 /// Dynamo's RadixTree behind `tests/py/dynamo_tree.py`.
@@ -278,23 +333,7 @@ fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
     });
 
     // Dynamo's own index on the same plane.
-    let mut child = Command::new(venv.join("bin/python"))
-        .arg(kvrouter_tests::repo_root().join("tests/py/dynamo_tree.py"))
-        .args([kv.to_string_lossy().as_ref(), "4"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "subscribed 4");
-    let mut tree = Tree {
-        _p: Proc(child),
-        stdin,
-        stdout,
-    };
+    let mut tree = dynamo_tree(&venv, &kv.to_string_lossy(), 4);
     std::thread::sleep(Duration::from_millis(500));
 
     // Real traffic: chat requests over three shared system prompts, through the frontend.
@@ -327,25 +366,7 @@ fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
                 .1
                 .contains("tiny")
     });
-    for i in 0..30 {
-        let system = format!(
-            "You are assistant number {}. {}",
-            i % 3,
-            "Answer briefly. ".repeat(40)
-        );
-        let body = json!({
-            "model": "tiny", "max_tokens": 4,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("question {i}")}],
-        });
-        let (status, out) = http(
-            &front,
-            "POST",
-            "/v1/chat/completions",
-            &body.to_string(),
-            &[("Content-Type", "application/json")],
-        );
-        assert_eq!(status, 200, "{out}");
-    }
+    chat_traffic(&front);
     // Quiet: every router has every event once the counts stop moving.
     let total = |addr: &str| workers(addr).iter().map(|w| w.2).sum::<u64>();
     let mut last = (u64::MAX, u64::MAX, Value::Null);
@@ -410,6 +431,138 @@ fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
         native_to_dynamo.len(),
         4,
         "every native worker was told apart"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn kvrouter_follows_dynamos_etcd_discovery() {
+    let venv = env("KVROUTER_DYNAMO_VENV");
+    let model = env("KVROUTER_DYNAMO_MODEL");
+    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-etcd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let kv = root.join("unused-kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    let etcd = Etcd::start();
+    let url = etcd.url();
+    let discovery = [
+        ("ETCD_ENDPOINTS", url.as_str()),
+        ("DYN_DISCOVERY_BACKEND", "etcd"),
+    ];
+    let model_s = model.to_string_lossy().to_string();
+    let mocker = dynamo_env(
+        &venv,
+        &kv,
+        &[
+            "-m",
+            "dynamo.mocker",
+            "--model-path",
+            &model_s,
+            "--model-name",
+            "tiny",
+            "--num-workers",
+            "2",
+            "--block-size",
+            "16",
+            "--num-gpu-blocks-override",
+            "128",
+            "--data-parallel-size",
+            "2",
+            "--discovery-backend",
+            "etcd",
+            "--event-plane",
+            "zmq",
+            "--request-plane",
+            "tcp",
+        ],
+        &root.join("mocker.log"),
+        &discovery,
+    );
+    // The mocker is up once etcd lists its four kv-events publishers.
+    wait_for("the mocker's publishers", Duration::from_secs(60), || {
+        etcd.keys("v1/event_channels/")
+            .iter()
+            .filter(|k| k.contains("/topic/kv-events/"))
+            .count()
+            >= 4
+    });
+
+    // The idle fleet is listed within a second and routable.
+    let (_a, a, started) = serve(&["--dynamo-discovery", &format!("etcd:{url}")]);
+    wait_for("the idle fleet", Duration::from_secs(5), || {
+        workers(&a).len() == 4
+    });
+    let listed_after = started.elapsed();
+    assert!(listed_after < Duration::from_secs(1), "{listed_after:?}");
+    let (status, body) = http(&a, "POST", "/v1/route", r#"{"block_hashes": [1, 2]}"#, &[]);
+    assert_eq!(status, 200, "{body}");
+
+    // Real traffic through a frontend on the same etcd; the index equals Dynamo's own.
+    let mut tree = dynamo_tree(&venv, &format!("etcd:{url}"), 4);
+    std::thread::sleep(Duration::from_millis(500));
+    let port = free_port();
+    let _frontend = dynamo_env(
+        &venv,
+        &kv,
+        &[
+            "-m",
+            "dynamo.frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            &port.to_string(),
+            "--router-mode",
+            "round-robin",
+            "--discovery-backend",
+            "etcd",
+            "--event-plane",
+            "zmq",
+            "--request-plane",
+            "tcp",
+        ],
+        &root.join("frontend.log"),
+        &discovery,
+    );
+    let front = format!("127.0.0.1:{port}");
+    wait_for("the frontend", Duration::from_secs(60), || {
+        std::net::TcpStream::connect(&front).is_ok()
+            && http(&front, "GET", "/v1/models", "", &[])
+                .1
+                .contains("tiny")
+    });
+    chat_traffic(&front);
+    let total = |addr: &str| workers(addr).iter().map(|w| w.2).sum::<u64>();
+    let mut last = (u64::MAX, Value::Null);
+    wait_for("the indexes to settle", Duration::from_secs(30), || {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = (total(&a), tree.ask(json!({"op": "count"})));
+        let same = now == last;
+        last = now;
+        same
+    });
+    assert!(last.0 > 0, "no blocks indexed");
+    let paths: Vec<Vec<u64>> = serde_json::from_value(tree.ask(json!({"op": "paths"}))).unwrap();
+    for q in &paths {
+        assert_eq!(
+            overlaps(&a, q),
+            tree.scores(q),
+            "query of {} blocks",
+            q.len()
+        );
+    }
+
+    // The workers die: etcd drops their entries when their leases lapse, and kvrouter
+    // drops the workers with their blocks.
+    drop(mocker);
+    let died = Instant::now();
+    wait_for("the dead fleet removed", Duration::from_secs(60), || {
+        workers(&a).is_empty()
+    });
+    eprintln!(
+        "dynamo stack (etcd): idle fleet listed after {listed_after:?}; {} cached blocks; {} queries equal Dynamo's RadixTree; dead fleet removed {:?} after the kill",
+        last.0,
+        paths.len(),
+        died.elapsed()
     );
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -1,6 +1,6 @@
 """NVIDIA Dynamo 1.6.1's own index (dynamo.llm.RadixTree) fed from Dynamo's ZMQ event plane,
-for kvrouter's tests: it finds the kv-events publishers in the file-discovery tree
-(v1/event_channels), subscribes to each (pyzmq), applies every KV event to the RadixTree, and
+for kvrouter's tests: it finds the kv-events publishers in discovery (v1/event_channels of the
+file-discovery tree DIR, or of etcd when the first argument is etcd:http://HOST:PORT), subscribes to each (pyzmq), applies every KV event to the RadixTree, and
 answers on stdin, one JSON line per command:
 
   {"op": "paths"}              -> every stored block's local-hash path from its root
@@ -11,22 +11,39 @@ Run with the interpreter of the venv ../shared/dynamo/setup.sh makes. Prints
 "subscribed N" once its N subscriptions are up.
 """
 
+import base64
 import glob
 import json
 import os
 import sys
 import threading
+import time
+import urllib.request
 
 import msgpack
 import zmq
 from dynamo.llm import RadixTree
 
 
-def channels(dir_, want):
+def entries(where):
+    """The event-channel entries of a file tree or of etcd (its v3 JSON gateway)."""
+    if where.startswith("etcd:"):
+        b64 = lambda b: base64.b64encode(b).decode()
+        body = json.dumps({"key": b64(b"v1/event_channels/"), "range_end": b64(b"v1/event_channels0")})
+        req = urllib.request.Request(where[5:] + "/v3/kv/range", data=body.encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            kvs = json.load(r).get("kvs", [])
+        return [json.loads(base64.b64decode(kv["value"])) for kv in kvs]
     out = []
-    for path in glob.glob(os.path.join(dir_, "v1", "event_channels", "*")):
+    for path in glob.glob(os.path.join(where, "v1", "event_channels", "*")):
         with open(path) as f:
-            v = json.load(f)
+            out.append(json.load(f))
+    return out
+
+
+def channels(where, want):
+    out = []
+    for v in entries(where):
         if v.get("topic") == "kv-events" and v["transport"]["kind"] == "Zmq":
             out.append(v["transport"]["config"]["endpoint"])
     return sorted(set(out))[:want] if want else sorted(set(out))
@@ -37,6 +54,8 @@ def main():
     eps = []
     while len(eps) < want:
         eps = channels(dir_, want)
+        if len(eps) < want:
+            time.sleep(0.1)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

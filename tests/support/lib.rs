@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 pub mod engine;
+pub mod etcd;
 pub mod fleet;
 pub mod openai;
 

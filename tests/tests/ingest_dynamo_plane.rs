@@ -1,11 +1,13 @@
-//! Dynamo's ZMQ event plane through its file discovery, against a real libzmq publisher
-//! (pyzmq: `tests/py/vllm_engine.py` sending raw frames) and a discovery tree written the
-//! way Dynamo 1.6.1 writes it (`../shared/fixtures/dynamo-1.6.1/zmq/discovery`): the workers
+//! Dynamo's ZMQ event plane through its discovery, against a real libzmq publisher
+//! (pyzmq: `tests/py/vllm_engine.py` sending raw frames) and discovery entries written the
+//! way Dynamo 1.6.1 writes them, both into a file tree
+//! (`../shared/fixtures/dynamo-1.6.1/zmq/discovery`) and into a real etcd: the workers
 //! discovery lists are routable before their first event; the index equals the reference
 //! index fed the same events although some messages carry a malformed event (that event is
 //! counted and skipped, the rest of its message applies) and some messages are not the
 //! plane's four frames (counted, nothing lost); a worker whose entry leaves discovery is
-//! removed from the index and from the listing at once, the others keep their blocks.
+//! removed from the index and from the listing at once, the others keep their blocks. An
+//! etcd that goes away changes nothing (counted); once back, its changes apply again.
 //! The real Dynamo stack on this plane is `kvrouter/tests/dynamo_stack.rs`.
 
 use std::collections::{BTreeSet, HashMap};
@@ -16,8 +18,10 @@ use kvrouter_core::codec::{Envelope, TOPIC_KV_EVENTS, kv};
 use kvrouter_core::event::RouterEvent;
 use kvrouter_core::index::Index;
 use kvrouter_core::worker::{WorkerDp, WorkerId};
-use kvrouter_io::ingest::{Ingest, IngestConfig};
+use kvrouter_io::ingest::{DynamoDiscovery, Ingest, IngestConfig};
+use kvrouter_io::proxy::Target;
 use kvrouter_tests::engine::PyEngine;
+use kvrouter_tests::etcd::Etcd;
 use kvrouter_tests::fleet::{assert_same, expected_last_ids, reference_of, sample, wait_until};
 use kvrouter_tests::free_port;
 use serde_json::json;
@@ -26,39 +30,82 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A fresh discovery directory.
-fn tree() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "kvrouter-dynplane-{}-{}",
-        std::process::id(),
-        free_port()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    for sub in ["instances", "mdc", "event_channels"] {
-        std::fs::create_dir_all(dir.join("v1").join(sub)).unwrap();
+/// Where the test writes Dynamo's discovery entries.
+enum Tree {
+    /// The file backend: one file per key, the key's tail percent-encoded.
+    Dir(PathBuf),
+    /// A real etcd: the keys themselves.
+    Etcd(Etcd),
+}
+
+impl Tree {
+    /// A fresh discovery directory.
+    fn dir() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kvrouter-dynplane-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        for sub in ["instances", "mdc", "event_channels"] {
+            std::fs::create_dir_all(dir.join("v1").join(sub)).unwrap();
+        }
+        Tree::Dir(dir)
     }
-    dir
+
+    fn discovery(&self) -> DynamoDiscovery {
+        match self {
+            Tree::Dir(dir) => DynamoDiscovery::File(dir.clone()),
+            Tree::Etcd(etcd) => DynamoDiscovery::Etcd(vec![Target::parse(&etcd.url()).unwrap()]),
+        }
+    }
+
+    /// Writes the entry `v1/{key}` as Dynamo does (a file: whole, renamed into place).
+    fn put(&self, key: &str, value: &serde_json::Value) {
+        match self {
+            Tree::Dir(dir) => {
+                let path = self.path(dir, key);
+                let tmp = path.with_extension("tmp-write");
+                std::fs::write(&tmp, serde_json::to_vec(value).unwrap()).unwrap();
+                std::fs::rename(&tmp, &path).unwrap();
+            }
+            Tree::Etcd(etcd) => etcd.put(&format!("v1/{key}"), &value.to_string()),
+        }
+    }
+
+    fn remove(&self, key: &str) {
+        match self {
+            Tree::Dir(dir) => std::fs::remove_file(self.path(dir, key)).unwrap(),
+            Tree::Etcd(etcd) => etcd.delete(&format!("v1/{key}")),
+        }
+    }
+
+    fn path(&self, dir: &Path, key: &str) -> PathBuf {
+        let (section, tail) = key.split_once('/').unwrap();
+        dir.join("v1")
+            .join(section)
+            .join(tail.replace('/', "%2F").replace('-', "%2D"))
+    }
 }
 
-/// Writes an entry as Dynamo does: a whole file renamed into place.
-fn put(dir: &Path, sub: &str, name: &str, value: &serde_json::Value) -> PathBuf {
-    let path = dir.join("v1").join(sub).join(name);
-    let tmp = path.with_extension("tmp-write");
-    std::fs::write(&tmp, serde_json::to_vec(value).unwrap()).unwrap();
-    std::fs::rename(&tmp, &path).unwrap();
-    path
+impl Drop for Tree {
+    fn drop(&mut self) {
+        if let Tree::Dir(dir) = self {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
-/// The `generate` endpoint's instance entry of one worker.
-fn instance(dir: &Path, id: WorkerId) -> PathBuf {
-    put(
-        dir,
-        "instances",
-        &format!("dynamo%2Fbackend%2Fgenerate%2F{id:x}"),
+/// The key of the `generate` endpoint's instance entry of one worker.
+fn instance(tree: &Tree, id: WorkerId) -> String {
+    let key = format!("instances/dynamo/backend/generate/{id:x}");
+    tree.put(
+        &key,
         &json!({"type": "Endpoint", "namespace": "dynamo", "component": "backend",
                 "endpoint": "generate", "instance_id": id,
                 "transport": {"tcp": "127.0.0.1:1/x"}}),
-    )
+    );
+    key
 }
 
 /// Dynamo's plane message: `[topic, publisher id, seq, 1 ‖ len ‖ envelope]`.
@@ -107,19 +154,16 @@ fn listed(ingest: &Ingest) -> BTreeSet<WorkerId> {
         .collect()
 }
 
-#[test]
-fn a_dynamo_plane_fleet_follows_discovery_and_skips_only_bad_events() {
+/// A fleet on the plane, followed through `tree`; returns it with the workers still listed.
+fn follows_discovery(tree: &Tree) -> (Ingest, PyEngine, HashMap<WorkerId, String>) {
     let (events, queries) = sample();
     let ids: BTreeSet<WorkerId> = events.iter().map(|e| e.worker_id).collect();
     assert!(ids.len() >= 3, "{ids:?}");
-    let dir = tree();
     let port = free_port();
-    let entries: HashMap<WorkerId, PathBuf> =
-        ids.iter().map(|&id| (id, instance(&dir, id))).collect();
-    put(
-        &dir,
-        "event_channels",
-        "namespace%2Fdynamo%2Fcomponent%2Fbackend%2Fendpoint%2Fgenerate%2Ftopic%2Fkv%2Devents%2F1",
+    let mut entries: HashMap<WorkerId, String> =
+        ids.iter().map(|&id| (id, instance(tree, id))).collect();
+    tree.put(
+        "event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/1",
         &json!({"type": "EventChannel",
                 "scope": {"kind": "endpoint",
                           "endpoint": {"namespace": "dynamo", "component": "backend", "name": "generate"}},
@@ -128,7 +172,7 @@ fn a_dynamo_plane_fleet_follows_discovery_and_skips_only_bad_events() {
     );
     let ingest = Ingest::start(IngestConfig {
         nats: None,
-        dynamo_discovery: Some(dir.clone()),
+        dynamo_discovery: Some(tree.discovery()),
         ..IngestConfig::default()
     })
     .expect("the ingest starts on the ZMQ plane alone");
@@ -136,7 +180,6 @@ fn a_dynamo_plane_fleet_follows_discovery_and_skips_only_bad_events() {
     wait_until("the discovered fleet", Duration::from_secs(10), || {
         listed(&ingest) == ids
     });
-
     // Dynamo's publisher binds its PUB and advertises it; the router connects.
     let mut engine = PyEngine::start(&["--pub", &format!("tcp://*:{port}")]);
     wait_until("the plane's publisher", Duration::from_secs(10), || {
@@ -185,7 +228,7 @@ fn a_dynamo_plane_fleet_follows_discovery_and_skips_only_bad_events() {
 
     // One worker leaves discovery: gone from the listing and the index; the rest stay.
     let leaving = *ids.iter().next().unwrap();
-    std::fs::remove_file(&entries[&leaving]).unwrap();
+    tree.remove(&entries.remove(&leaving).unwrap());
     wait_until("the leaver removed", Duration::from_secs(10), || {
         !listed(&ingest).contains(&leaving)
     });
@@ -207,7 +250,42 @@ fn a_dynamo_plane_fleet_follows_discovery_and_skips_only_bad_events() {
         listed(&ingest),
         ids.iter().copied().filter(|&w| w != leaving).collect()
     );
+    (ingest, engine, entries)
+}
+
+#[test]
+fn a_dynamo_plane_fleet_follows_file_discovery_and_skips_only_bad_events() {
+    let tree = Tree::dir();
+    let (ingest, engine, _) = follows_discovery(&tree);
     engine.finish();
     ingest.stop();
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_dynamo_plane_fleet_follows_etcd_discovery_and_survives_its_outage() {
+    let mut tree = Tree::Etcd(Etcd::start());
+    let (ingest, engine, mut entries) = follows_discovery(&tree);
+    let blocks = |i: &Ingest| i.workers().iter().map(|s| s.blocks).sum::<usize>();
+    let (before, cached) = (listed(&ingest), blocks(&ingest));
+    let errors = ingest.stats().discovery_errors;
+    let Tree::Etcd(etcd) = &mut tree else {
+        unreachable!()
+    };
+    // etcd goes away: each failed listing is counted, and the fleet stays as it was.
+    etcd.kill();
+    wait_until("failed listings counted", Duration::from_secs(20), || {
+        ingest.stats().discovery_errors >= errors + 2
+    });
+    assert_eq!(listed(&ingest), before);
+    assert_eq!(blocks(&ingest), cached);
+    // Back, with its entries: a worker deleted meanwhile goes at the next listing.
+    etcd.restart();
+    let leaving = *entries.keys().next().unwrap();
+    tree.remove(&entries.remove(&leaving).unwrap());
+    wait_until("the leaver removed", Duration::from_secs(10), || {
+        !listed(&ingest).contains(&leaving)
+    });
+    assert_eq!(listed(&ingest), entries.keys().copied().collect());
+    engine.finish();
+    ingest.stop();
 }

@@ -22,9 +22,9 @@ pub struct IngestConfig {
     pub nats_start_wait: Duration,
     /// Engines that publish the vLLM-native KV-event wire over ZMQ.
     pub zmq_engines: Vec<ZmqEngine>,
-    /// Dynamo's file discovery directory (`DYN_FILE_KV`): its workers, routable at once,
-    /// and the ZMQ event-plane publishers it advertises.
-    pub dynamo_discovery: Option<PathBuf>,
+    /// Dynamo's discovery (its file tree or its etcd): its workers, routable at once, and
+    /// the ZMQ event-plane publishers it advertises.
+    pub dynamo_discovery: Option<DynamoDiscovery>,
     /// ZMQ sockets and replay.
     pub zmq: ZmqOptions,
     /// Subject naming (Dynamo's defaults: `dynamo`, `backend`, `generate`).
@@ -123,6 +123,16 @@ impl Default for IngestConfig {
             router_id: 0,
         }
     }
+}
+
+/// Where Dynamo's discovery entries are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DynamoDiscovery {
+    /// The file backend's directory (`DYN_FILE_KV`).
+    File(PathBuf),
+    /// etcd (`ETCD_ENDPOINTS`), through its v3 JSON gateway; a transport error moves to
+    /// the next endpoint.
+    Etcd(Vec<crate::proxy::Target>),
 }
 
 /// An engine that publishes the vLLM-native KV-event wire: vLLM's `--kv-events-config`

@@ -1,8 +1,11 @@
-//! Dynamo's ZMQ event plane, found through Dynamo's file discovery (`DYN_FILE_KV`).
+//! Dynamo's ZMQ event plane, found through Dynamo's discovery: its file backend
+//! (`DYN_FILE_KV`) or its etcd.
 //!
 //! A stock Dynamo 1.6.1 deployment with file (or in-memory) discovery publishes its events
-//! on ZMQ: each publisher binds a PUB socket and advertises it in the discovery tree. The
-//! tree holds one small JSON file per entry (names percent-encoded), under:
+//! on ZMQ: each publisher binds a PUB socket and advertises it in discovery (with etcd
+//! discovery Dynamo defaults to NATS, and `--event-plane zmq` advertises the same
+//! channels). Both backends hold the same entries under the same keys, each a small JSON
+//! value (in the file tree, one file per key, names percent-encoded):
 //!
 //! * `v1/instances/`: `{"type": "Endpoint", "namespace", "component", "endpoint",
 //!   "instance_id", ...}`: the workers serving an endpoint (the instance id is the worker id
@@ -14,20 +17,22 @@
 //!   "component", "name"}}, "topic", "instance_id", "transport": {"kind": "Zmq", "config":
 //!   {"endpoint": "tcp://..."}}}`: one PUB per publisher and topic.
 //!
-//! Every half second the tree is read again: a worker that appears is registered (routable
-//! at once, with no blocks) and pinned alive for as long as discovery lists it; one that
-//! disappears is removed from the index and so from routing. Each advertised channel of the
-//! kv-events, `kv_metrics` and `forward-pass-metrics` topics gets a subscriber; its messages
-//! are `[topic, publisher id, seq, frame]`, the frame holding the NATS plane's envelope
-//! ([`kvrouter_core::codec::zmq_plane_envelope`]), so kv-events go to the shards exactly as
-//! from NATS and metrics count as heartbeats.
+//! Every half second discovery is read again (the file tree walked, or one etcd listing of
+//! `v1/` at one revision, see [`super::etcd`]): a worker that appears is registered
+//! (routable at once, with no blocks) and pinned alive for as long as discovery lists it;
+//! one that disappears is removed from the index and so from routing. An etcd that cannot
+//! be read is counted and logged and changes nothing: what the last listing said stands
+//! until a listing succeeds (a discovery outage must not empty the fleet). Each advertised
+//! channel of the kv-events, `kv_metrics` and `forward-pass-metrics` topics gets a
+//! subscriber; its messages are `[topic, publisher id, seq, frame]`, the frame holding the
+//! NATS plane's envelope ([`kvrouter_core::codec::zmq_plane_envelope`]), so kv-events go to
+//! the shards exactly as from NATS and metrics count as heartbeats.
 //!
 //! Gaps: the envelope's events carry Dynamo's event ids, so the shard sees a gap as it
 //! does on NATS. Repairing it would take the worker's local indexer, which Dynamo serves on
 //! its own TCP request plane (the `worker_kv_query_source_*` endpoints), not on ZMQ or NATS;
 //! kvrouter does not speak that plane, so a gap on this plane is counted and logged and the
-//! event applied, as for a worker without a local indexer. etcd discovery is not read yet
-//! (not built; Debian's `etcd-server` could test it).
+//! event applied, as for a worker without a local indexer.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -38,6 +43,8 @@ use kvrouter_core::codec;
 use kvrouter_core::worker::{WorkerDp, WorkerId};
 use serde_json::Value;
 
+use super::config::DynamoDiscovery;
+use super::etcd::Etcd;
 use super::hub::Hub;
 use super::messages::ShardCmd;
 use crate::zmq::{Endpoint, SubEvent, Subscriber};
@@ -53,9 +60,75 @@ const TOPICS: [&str; 3] = [
 ];
 
 /// Starts the discovery watcher (it starts and stops the subscribers).
-pub(super) fn start(hub: &Rc<Hub>, dir: PathBuf) -> glommio::Task<()> {
+pub(super) fn start(hub: &Rc<Hub>, discovery: DynamoDiscovery) -> glommio::Task<()> {
     let hub = Rc::clone(hub);
-    glommio::spawn_local(async move { watch(hub, dir).await })
+    let source = match discovery {
+        DynamoDiscovery::File(dir) => Source::File(dir),
+        DynamoDiscovery::Etcd(targets) => Source::Etcd(Etcd::new(targets)),
+    };
+    glommio::spawn_local(async move { watch(hub, source).await })
+}
+
+/// Where the entries are read from.
+enum Source {
+    File(PathBuf),
+    Etcd(Etcd),
+}
+
+impl Source {
+    /// The entries of one read, or why discovery could not be read (nothing is known
+    /// then, which is not the same as an empty discovery).
+    async fn entries(&self) -> Result<Entries, super::etcd::EtcdError> {
+        match self {
+            Source::File(dir) => Ok(Entries::of_dir(dir)),
+            Source::Etcd(etcd) => {
+                let kvs = etcd.list(b"v1/").await?;
+                Ok(Entries::of_kvs(kvs))
+            }
+        }
+    }
+}
+
+/// The parsed entries of the three sections we read.
+#[derive(Debug, Default)]
+pub(super) struct Entries {
+    instances: Vec<Value>,
+    mdc: Vec<Value>,
+    channels: Vec<Value>,
+    /// Entries that did not parse.
+    errors: u64,
+}
+
+impl Entries {
+    /// The file backend's tree under `dir` (an absent directory has no entries).
+    fn of_dir(dir: &Path) -> Self {
+        let mut e = Entries::default();
+        e.instances = files(&dir.join("v1/instances"), &mut e.errors);
+        e.mdc = files(&dir.join("v1/mdc"), &mut e.errors);
+        e.channels = files(&dir.join("v1/event_channels"), &mut e.errors);
+        e
+    }
+
+    /// A key-value listing of `v1/` (etcd's).
+    fn of_kvs(kvs: Vec<(Vec<u8>, Vec<u8>)>) -> Self {
+        let mut e = Entries::default();
+        for (key, value) in kvs {
+            let section = if key.starts_with(b"v1/instances/") {
+                &mut e.instances
+            } else if key.starts_with(b"v1/mdc/") {
+                &mut e.mdc
+            } else if key.starts_with(b"v1/event_channels/") {
+                &mut e.channels
+            } else {
+                continue;
+            };
+            match serde_json::from_slice::<Value>(&value) {
+                Ok(v) => section.push(v),
+                Err(_) => e.errors += 1,
+            }
+        }
+        e
+    }
 }
 
 /// What one read of the tree found.
@@ -69,18 +142,34 @@ pub(super) struct Found {
     pub(super) errors: u64,
 }
 
-async fn watch(hub: Rc<Hub>, dir: PathBuf) {
+async fn watch(hub: Rc<Hub>, source: Source) {
     let mut workers: HashSet<WorkerDp> = HashSet::new();
     let mut subs: HashMap<String, glommio::Task<()>> = HashMap::new();
     let mut warned_missing = false;
-    tracing::info!(dir = %dir.display(), "watching Dynamo's file discovery");
+    match &source {
+        Source::File(dir) => {
+            tracing::info!(dir = %dir.display(), "watching Dynamo's file discovery");
+        }
+        Source::Etcd(_) => tracing::info!("watching Dynamo's etcd discovery"),
+    }
     loop {
         let s = &hub.cfg.subjects;
-        let found = read(&dir, &s.namespace, &s.component, &s.endpoint);
+        let found = match source.entries().await {
+            Ok(entries) => entries.found(&s.namespace, &s.component, &s.endpoint),
+            Err(e) => {
+                hub.bump(|c| c.discovery_errors += 1);
+                crate::warn_throttled!(error = %e, "discovery not readable: keeping what it said last");
+                glommio::timer::sleep(POLL).await;
+                continue;
+            }
+        };
         if found.errors > 0 {
             hub.bump(|c| c.discovery_errors += found.errors);
         }
-        if !dir.join("v1").is_dir() && !warned_missing {
+        if let Source::File(dir) = &source
+            && !dir.join("v1").is_dir()
+            && !warned_missing
+        {
             warned_missing = true;
             tracing::warn!(dir = %dir.display(), "no discovery tree yet (v1/ missing)");
         }
@@ -136,63 +225,74 @@ async fn watch(hub: Rc<Hub>, dir: PathBuf) {
 }
 
 /// Reads the discovery tree under `dir` for `namespace/component/endpoint`.
+#[cfg(test)]
 pub(super) fn read(dir: &Path, namespace: &str, component: &str, endpoint: &str) -> Found {
-    let mut found = Found::default();
-    let ours = |v: &Value| {
-        v["namespace"].as_str() == Some(namespace)
-            && v["component"].as_str() == Some(component)
-            && v["endpoint"].as_str() == Some(endpoint)
-    };
-    let mut instances: HashSet<WorkerId> = HashSet::new();
-    for v in entries(&dir.join("v1/instances"), &mut found.errors) {
-        if v["type"] == "Endpoint"
-            && ours(&v)
-            && let Some(id) = v["instance_id"].as_u64()
-        {
-            instances.insert(id);
+    Entries::of_dir(dir).found(namespace, component, endpoint)
+}
+
+impl Entries {
+    /// What the entries say about `namespace/component/endpoint`.
+    fn found(&self, namespace: &str, component: &str, endpoint: &str) -> Found {
+        let mut found = Found {
+            errors: self.errors,
+            ..Found::default()
+        };
+        let ours = |v: &Value| {
+            v["namespace"].as_str() == Some(namespace)
+                && v["component"].as_str() == Some(component)
+                && v["endpoint"].as_str() == Some(endpoint)
+        };
+        let mut instances: HashSet<WorkerId> = HashSet::new();
+        for v in &self.instances {
+            if v["type"] == "Endpoint"
+                && ours(v)
+                && let Some(id) = v["instance_id"].as_u64()
+            {
+                instances.insert(id);
+            }
         }
-    }
-    let mut ranks: HashMap<WorkerId, (u32, u32)> = HashMap::new();
-    for v in entries(&dir.join("v1/mdc"), &mut found.errors) {
-        if v["type"] == "Model"
-            && ours(&v)
-            && let Some(id) = v["instance_id"].as_u64()
-        {
-            let rc = &v["card_json"]["runtime_config"];
-            let size = rc["data_parallel_size"]
-                .as_u64()
-                .unwrap_or(1)
-                .clamp(1, 4096) as u32;
-            let start = rc["data_parallel_start_rank"].as_u64().unwrap_or(0) as u32;
-            ranks.insert(id, (start, size));
+        let mut ranks: HashMap<WorkerId, (u32, u32)> = HashMap::new();
+        for v in &self.mdc {
+            if v["type"] == "Model"
+                && ours(v)
+                && let Some(id) = v["instance_id"].as_u64()
+            {
+                let rc = &v["card_json"]["runtime_config"];
+                let size = rc["data_parallel_size"]
+                    .as_u64()
+                    .unwrap_or(1)
+                    .clamp(1, 4096) as u32;
+                let start = rc["data_parallel_start_rank"].as_u64().unwrap_or(0) as u32;
+                ranks.insert(id, (start, size));
+            }
         }
-    }
-    for id in instances {
-        let (start, size) = ranks.get(&id).copied().unwrap_or((0, 1));
-        for r in start..start.saturating_add(size) {
-            found.workers.insert(WorkerDp::new(id, r));
+        for id in instances {
+            let (start, size) = ranks.get(&id).copied().unwrap_or((0, 1));
+            for r in start..start.saturating_add(size) {
+                found.workers.insert(WorkerDp::new(id, r));
+            }
         }
-    }
-    for v in entries(&dir.join("v1/event_channels"), &mut found.errors) {
-        let scope = &v["scope"]["endpoint"];
-        let scoped = scope["namespace"].as_str() == Some(namespace)
-            && scope["component"].as_str() == Some(component)
-            && scope["name"].as_str() == Some(endpoint);
-        let topic = v["topic"].as_str().unwrap_or_default();
-        if v["type"] == "EventChannel"
-            && scoped
-            && TOPICS.contains(&topic)
-            && v["transport"]["kind"] == "Zmq"
-            && let Some(ep) = v["transport"]["config"]["endpoint"].as_str()
-        {
-            found.channels.insert(ep.to_owned());
+        for v in &self.channels {
+            let scope = &v["scope"]["endpoint"];
+            let scoped = scope["namespace"].as_str() == Some(namespace)
+                && scope["component"].as_str() == Some(component)
+                && scope["name"].as_str() == Some(endpoint);
+            let topic = v["topic"].as_str().unwrap_or_default();
+            if v["type"] == "EventChannel"
+                && scoped
+                && TOPICS.contains(&topic)
+                && v["transport"]["kind"] == "Zmq"
+                && let Some(ep) = v["transport"]["config"]["endpoint"].as_str()
+            {
+                found.channels.insert(ep.to_owned());
+            }
         }
+        found
     }
-    found
 }
 
 /// The JSON entries in `dir` and below (an absent directory has none).
-fn entries(dir: &Path, errors: &mut u64) -> Vec<Value> {
+fn files(dir: &Path, errors: &mut u64) -> Vec<Value> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(dir) else {
         return out;
@@ -200,7 +300,7 @@ fn entries(dir: &Path, errors: &mut u64) -> Vec<Value> {
     for e in rd.flatten() {
         let path = e.path();
         if path.is_dir() {
-            out.extend(entries(&path, errors));
+            out.extend(files(&path, errors));
             continue;
         }
         // Writers replace entries atomically, but a file may vanish between the listing and

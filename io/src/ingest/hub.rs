@@ -203,7 +203,7 @@ impl Hub {
             .cfg
             .dynamo_discovery
             .clone()
-            .map(|dir| super::dynamo_plane::start(&hub, dir));
+            .map(|d| super::dynamo_plane::start(&hub, d));
         let _ = started.send(Ok(()));
         let (h, n) = (Rc::clone(&hub), Rc::clone(&nats));
         let ticks = glommio::spawn_local(async move {

@@ -64,6 +64,7 @@ mod config;
 mod counters;
 mod durable;
 mod dynamo_plane;
+mod etcd;
 mod hub;
 mod messages;
 mod nats_source;
@@ -72,7 +73,9 @@ mod snapshots;
 mod source;
 mod zmq_source;
 
-pub use config::{DurableConfig, IngestConfig, SnapshotConfig, ZmqEngine, ZmqOptions};
+pub use config::{
+    DurableConfig, DynamoDiscovery, IngestConfig, SnapshotConfig, ZmqEngine, ZmqOptions,
+};
 pub use counters::IngestStats;
 pub use snapshots::{SnapshotError, SnapshotInfo};
 

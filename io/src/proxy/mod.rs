@@ -45,7 +45,7 @@ mod request;
 mod rt;
 mod session;
 mod stats;
-mod upstream;
+pub(crate) mod upstream;
 
 pub(crate) use front::{Front, serve};
 pub(crate) use stats::ProxyStats;
