@@ -13,6 +13,11 @@
 //!   latency from a message's arrival at the router to its events being visible to
 //!   `find_matches` (p50/p99);
 //! * **raw**: seconds from the first send until a plain pyzmq SUB has every message.
+//!
+//! Per core: everything shares the machine's cores with the publishers, so the rate is
+//! bounded by what they push. Each side's CPU time over the run (the ingest's source and
+//! shard threads from `/proc/self/task/*/schedstat`, the raw SUB process's
+//! `time.process_time()`) gives block events per CPU-second: what one core would sustain.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -54,6 +59,48 @@ pub struct ZmqIngestReport {
     pub raw_s: f64,
     /// Raw pyzmq SUB: block events per second.
     pub raw_block_events_per_s: f64,
+    /// CPU seconds of the ingest's source thread (ZMQ sockets, ZMTP, decoding, hashing).
+    pub source_cpu_s: f64,
+    /// CPU seconds of the busiest shard thread (applying to the tree).
+    pub shard_cpu_s: f64,
+    /// Block events per CPU-second of the busiest ingest thread.
+    pub ingest_block_events_per_core_s: f64,
+    /// CPU seconds of the raw SUB process (libzmq's I/O thread and the receive loop).
+    pub raw_cpu_s: f64,
+    /// Block events per CPU-second of the raw SUB process.
+    pub raw_block_events_per_cpu_s: f64,
+}
+
+/// CPU nanoseconds so far of each of this process's threads whose name starts with
+/// `prefix` (`/proc/self/task/*/comm`, names cut at 15 bytes), by thread id.
+fn thread_cpu_ns(prefix: &str) -> HashMap<u64, u64> {
+    let mut out = HashMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let dir = t.path();
+        let named = std::fs::read_to_string(dir.join("comm"))
+            .is_ok_and(|c| c.trim_end().starts_with(prefix));
+        let tid = t.file_name().to_string_lossy().parse::<u64>();
+        let ns = std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        if let (true, Ok(tid), Some(ns)) = (named, tid, ns) {
+            out.insert(tid, ns);
+        }
+    }
+    out
+}
+
+/// The most CPU seconds any thread spent between two [`thread_cpu_ns`] readings.
+fn busiest_s(before: &HashMap<u64, u64>, after: &HashMap<u64, u64>) -> f64 {
+    after
+        .iter()
+        .map(|(tid, &ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .max()
+        .unwrap_or(0) as f64
+        / 1e9
 }
 
 /// Made-up tokens of a block: `n` tokens from its local hash.
@@ -236,6 +283,10 @@ pub fn run(
     }
     // Past libzmq's subscription handshake.
     std::thread::sleep(Duration::from_millis(200));
+    let (source0, shards0) = (
+        thread_cpu_ns("kvrouter-source"),
+        thread_cpu_ns("kvrouter-shard"),
+    );
     let mut stdin = p.0.stdin.take().expect("stdin");
     writeln!(stdin, "go")?;
     let start = Instant::now();
@@ -249,6 +300,12 @@ pub fn run(
         std::thread::sleep(Duration::from_micros(200));
     }
     let ingest_s = start.elapsed().as_secs_f64();
+    let source_cpu_s = busiest_s(&source0, &thread_cpu_ns("kvrouter-source"));
+    let shard_cpu_s = busiest_s(&shards0, &thread_cpu_ns("kvrouter-shard"));
+    anyhow::ensure!(
+        source_cpu_s > 0.0 && shard_cpu_s > 0.0,
+        "no CPU time read for the ingest's threads (/proc/self/task/*/schedstat)"
+    );
     let mut lat = ingest.take_latencies();
     lat.sort_unstable();
     ingest.stop();
@@ -282,6 +339,7 @@ pub fn run(
     writeln!(pin, "go")?;
     let t0 = stamp(&line_of(&mut pout)?, "start")?;
     let t1 = stamp(&line_of(&mut sout)?, "end")?;
+    let raw_cpu_s = stamp(&line_of(&mut sout)?, "cpu")?.max(1e-9);
     let _ = writeln!(pin, "quit");
     drop((p, s));
     let _ = std::fs::remove_file(&file);
@@ -298,5 +356,10 @@ pub fn run(
         visible_p99_ns: percentile(&lat, 0.99),
         raw_s,
         raw_block_events_per_s: block_events as f64 / raw_s,
+        source_cpu_s,
+        shard_cpu_s,
+        ingest_block_events_per_core_s: block_events as f64 / source_cpu_s.max(shard_cpu_s),
+        raw_cpu_s,
+        raw_block_events_per_cpu_s: block_events as f64 / raw_cpu_s,
     })
 }

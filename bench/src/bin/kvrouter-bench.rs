@@ -479,13 +479,21 @@ fn zmq(
     };
     println!(
         "zmq ingest ({shards} shard(s), {} tokens per block, median of {runs}): {:.2} M block events/s, arrival-to-visible p50 {:.0} us, \
-         p99 {:.0} us; raw pyzmq SUB of the same messages: {:.2} M block events/s (ingest/raw x{:.2})",
+         p99 {:.0} us; raw pyzmq SUB of the same messages: {:.2} M block events/s (ingest/raw x{:.2})\n\
+         per core: ingest {:.2} M block events per CPU-second of its busiest thread (source {:.3} s, shard {:.3} s); \
+         raw pyzmq SUB {:.2} M per CPU-second ({:.3} s); ingest/raw x{:.2}",
         reports[0].block_tokens,
         med(|r| r.ingest_block_events_per_s) / 1e6,
         med(|r| r.visible_p50_ns as f64) / 1e3,
         med(|r| r.visible_p99_ns as f64) / 1e3,
         med(|r| r.raw_block_events_per_s) / 1e6,
         med(|r| r.ingest_block_events_per_s / r.raw_block_events_per_s),
+        med(|r| r.ingest_block_events_per_core_s) / 1e6,
+        med(|r| r.source_cpu_s),
+        med(|r| r.shard_cpu_s),
+        med(|r| r.raw_block_events_per_cpu_s) / 1e6,
+        med(|r| r.raw_cpu_s),
+        med(|r| r.ingest_block_events_per_core_s / r.raw_block_events_per_cpu_s),
     );
     Ok(())
 }
