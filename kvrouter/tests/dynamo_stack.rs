@@ -20,7 +20,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrouter_tests::etcd::Etcd;
-use kvrouter_tests::{free_port, http};
+use kvrouter_tests::{free_port, http, http_response};
 use serde_json::{Value, json};
 
 struct Proc(Child);
@@ -563,6 +563,227 @@ fn kvrouter_follows_dynamos_etcd_discovery() {
         last.0,
         paths.len(),
         died.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Each rank's last applied event id, from `/v1/workers`.
+fn last_events(addr: &str) -> HashMap<(u64, u64), Option<u64>> {
+    let (_, body) = http(addr, "GET", "/v1/workers", "", &[]);
+    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    v["workers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|w| {
+                    (
+                        (
+                            w["worker_id"].as_u64().unwrap(),
+                            w["dp_rank"].as_u64().unwrap(),
+                        ),
+                        w["last_event_id"].as_u64(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A prefix-heavy chat load: 7 long system prompts (`set` keeps two loads apart), 5
+/// questions each, interleaved so that no fixed rotation keeps a prompt on one worker.
+fn prefix_heavy(set: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    for q in 0..5 {
+        for p in 0..7 {
+            let system = format!(
+                "Set {set}, assistant {p}. {}",
+                "Answer briefly and cite your sources. ".repeat(16)
+            );
+            out.push(json!({
+                "model": "tiny", "max_tokens": 4,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": format!("question {q}")}],
+            }));
+        }
+    }
+    out
+}
+
+/// `(cached_tokens, prompt_tokens)` of a non-streaming answer's usage.
+fn usage(body: &str) -> (u64, u64) {
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let u = &v["usage"];
+    (
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+        u["prompt_tokens"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn kvrouter_in_front_of_dynamos_direct_mode_lands_every_request_where_it_chose() {
+    let venv = env("KVROUTER_DYNAMO_VENV");
+    let model = env("KVROUTER_DYNAMO_MODEL");
+    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-direct-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let kv = root.join("kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    let model_s = model.to_string_lossy().to_string();
+    let stack = [
+        "--discovery-backend",
+        "file",
+        "--event-plane",
+        "zmq",
+        "--request-plane",
+        "tcp",
+    ];
+    let mut args = vec![
+        "-m",
+        "dynamo.mocker",
+        "--model-path",
+        &model_s,
+        "--model-name",
+        "tiny",
+        "--num-workers",
+        "2",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks-override",
+        "128",
+        "--data-parallel-size",
+        "2",
+    ];
+    args.extend(stack);
+    let _mocker = dynamo(&venv, &kv, &args, &root.join("mocker.log"));
+    let frontend = |mode: &str| {
+        let port = free_port();
+        let mut args = vec![
+            "-m".to_owned(),
+            "dynamo.frontend".into(),
+            "--http-host".into(),
+            "127.0.0.1".into(),
+            "--http-port".into(),
+            port.to_string(),
+            "--router-mode".into(),
+            mode.into(),
+        ];
+        args.extend(stack.map(String::from));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let p = dynamo(
+            &venv,
+            &kv,
+            &args,
+            &root.join(format!("frontend-{mode}.log")),
+        );
+        (p, format!("127.0.0.1:{port}"))
+    };
+    let (_direct, direct) = frontend("direct");
+    let (_rr, rr) = frontend("round-robin");
+    for f in [&direct, &rr] {
+        wait_for("a frontend with the model", Duration::from_secs(90), || {
+            std::net::TcpStream::connect(f.as_str()).is_ok()
+                && http(f, "GET", "/v1/models", "", &[]).1.contains("tiny")
+        });
+    }
+    let openai = format!("127.0.0.1:{}", free_port());
+    let (_k, a, _) = serve(&[
+        "--dynamo-discovery",
+        &format!("file:{}", kv.display()),
+        "--openai-listen",
+        &openai,
+        "--model",
+        &format!("tiny={model_s}"),
+        "--dynamo-frontend",
+        &format!("http://{direct}"),
+    ]);
+    wait_for("the fleet", Duration::from_secs(10), || {
+        workers(&a).len() == 4
+    });
+    wait_for("the OpenAI front", Duration::from_secs(10), || {
+        std::net::TcpStream::connect(openai.as_str()).is_ok()
+    });
+    let json_header = [("Content-Type", "application/json")];
+
+    // The same frontend's round-robin on one load...
+    let (mut rr_cached, mut rr_prompt) = (0, 0);
+    for body in prefix_heavy("A") {
+        let r = http_response(
+            &rr,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &json_header,
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let (c, p) = usage(&r.body);
+        rr_cached += c;
+        rr_prompt += p;
+    }
+    // ...and kvrouter in front of its direct mode on another of the same shape, one
+    // request at a time: each lands on the rank kvrouter named (that rank, and no other,
+    // publishes the request's new blocks), and the engine's cached tokens are kvrouter's
+    // predicted overlap.
+    let quiet = |before: &HashMap<(u64, u64), Option<u64>>| {
+        let mut last = last_events(&a);
+        loop {
+            std::thread::sleep(Duration::from_millis(150));
+            let now = last_events(&a);
+            if now == last {
+                return now
+                    .into_iter()
+                    .filter(|(k, v)| before.get(k) != Some(v))
+                    .map(|(k, _)| k)
+                    .collect::<Vec<_>>();
+            }
+            last = now;
+        }
+    };
+    let (mut kv_cached, mut kv_prompt, mut predicted_exactly) = (0, 0, 0);
+    let load = prefix_heavy("B");
+    for body in &load {
+        let before = last_events(&a);
+        let r = http_response(
+            &openai,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &json_header,
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let h = |name: &str| -> u64 {
+            r.header(name)
+                .unwrap_or_else(|| panic!("no {name}"))
+                .parse()
+                .unwrap()
+        };
+        let chosen = (h("x-kvrouter-worker-id"), h("x-kvrouter-dp-rank"));
+        let moved = quiet(&before);
+        assert_eq!(
+            moved,
+            [chosen],
+            "the request's blocks were published by {moved:?}, kvrouter chose {chosen:?}"
+        );
+        let (c, p) = usage(&r.body);
+        if c == h("x-kvrouter-overlap-blocks") * 16 {
+            predicted_exactly += 1;
+        }
+        kv_cached += c;
+        kv_prompt += p;
+    }
+    let ratio = |c: u64, p: u64| c as f64 / p.max(1) as f64;
+    eprintln!(
+        "dynamo stack (direct mode): {} requests each on the rank kvrouter chose; cached-token ratio {:.3} through kvrouter, {:.3} with the frontend's round-robin; predicted overlap = engine's cached tokens on {predicted_exactly}/{}",
+        load.len(),
+        ratio(kv_cached, kv_prompt),
+        ratio(rr_cached, rr_prompt),
+        load.len()
+    );
+    assert!(ratio(kv_cached, kv_prompt) > ratio(rr_cached, rr_prompt) + 0.2);
+    assert!(
+        predicted_exactly * 10 >= load.len() * 9,
+        "{predicted_exactly}/{}",
+        load.len()
     );
     let _ = std::fs::remove_dir_all(&root);
 }

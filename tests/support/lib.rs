@@ -218,3 +218,83 @@ pub fn http_bytes(
         .unwrap_or_default();
     (status, body)
 }
+
+/// A whole HTTP/1.1 response: status, headers (names lower-cased), body (de-chunked).
+#[derive(Debug, Clone)]
+pub struct Response {
+    /// Status code.
+    pub status: u16,
+    /// Header lines in order, names lower-cased.
+    pub headers: Vec<(String, String)>,
+    /// The body, chunked transfer coding removed.
+    pub body: String,
+}
+
+impl Response {
+    /// The first header named `name` (lower case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// [`http`] that keeps the headers and removes chunked transfer coding.
+pub fn http_response(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Response {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n{extra}\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("send");
+    s.write_all(body.as_bytes()).expect("send");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("read");
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+    let body = if chunked {
+        let mut out = String::new();
+        let mut rest = rest;
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let n =
+                usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+            if n == 0 || tail.len() < n {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = tail[n..].strip_prefix("\r\n").unwrap_or(&tail[n..]);
+        }
+        out
+    } else {
+        rest.to_owned()
+    };
+    Response {
+        status,
+        headers,
+        body,
+    }
+}
