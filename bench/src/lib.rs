@@ -23,6 +23,7 @@ pub mod heap;
 pub mod hostile;
 pub mod ingest;
 pub mod perf;
+pub mod proxy;
 pub mod recovery;
 pub mod route;
 pub mod zmq_ingest;

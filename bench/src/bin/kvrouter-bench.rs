@@ -116,6 +116,35 @@ enum Cmd {
         #[arg(long)]
         block_tokens: Option<usize>,
     },
+    /// The OpenAI front's added latency: streaming chat requests at each rate to a mock
+    /// engine that answers at once, directly and through `kvrouter serve --openai-listen`
+    /// (and Dynamo's frontend with `--dynamo-venv`), and the tokenisation cost.
+    Proxy {
+        /// The kvrouter binary.
+        #[arg(long, default_value = "target/release/kvrouter")]
+        kvrouter: PathBuf,
+        /// Model card directory (tokenizer.json, tokenizer_config.json).
+        #[arg(long, default_value = "target/tiny-model")]
+        model: PathBuf,
+        /// Requests per second (comma list).
+        #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
+        rates: Vec<f64>,
+        /// Seconds measured per phase (after one of warm-up).
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Client connections.
+        #[arg(long, default_value_t = 32)]
+        connections: usize,
+        /// Words of each request's system prompt.
+        #[arg(long, default_value_t = 200)]
+        prompt_words: usize,
+        /// Runs (medians are printed).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Dynamo's venv (../shared/dynamo/setup.sh): measure its frontend too.
+        #[arg(long)]
+        dynamo_venv: Option<PathBuf>,
+    },
     /// Routing-API load generator over loopback, with the log's events loaded.
     Route {
         /// Replay log (events loaded, queries sent).
@@ -310,6 +339,27 @@ fn main() -> anyhow::Result<()> {
             runs,
             rate,
         } => ingest(&log, &nats, shards, runs, rate),
+        Cmd::Proxy {
+            kvrouter,
+            model,
+            rates,
+            seconds,
+            connections,
+            prompt_words,
+            runs,
+            dynamo_venv,
+        } => proxy(
+            &kvrouter_bench::proxy::ProxyBench {
+                kvrouter,
+                model,
+                rates,
+                seconds,
+                connections,
+                prompt_words,
+                dynamo_venv,
+            },
+            runs,
+        ),
         Cmd::Zmq {
             log,
             python,
@@ -495,6 +545,64 @@ fn zmq(
         med(|r| r.raw_cpu_s),
         med(|r| r.ingest_block_events_per_core_s / r.raw_block_events_per_cpu_s),
     );
+    Ok(())
+}
+
+fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result<()> {
+    let mut all = Vec::new();
+    for run in 0..runs {
+        let phases = kvrouter_bench::proxy::run(cfg)?;
+        for p in &phases {
+            eprintln!("run {}: {}", run + 1, serde_json::to_string(p)?);
+        }
+        all.push(phases);
+    }
+    println!(
+        "OpenAI front, streaming chat, {} connections, median of {runs}:",
+        cfg.connections
+    );
+    for (i, p) in all[0].iter().enumerate() {
+        let med = |f: &dyn Fn(&kvrouter_bench::proxy::Phase) -> f64| {
+            median(all.iter().map(|ps| f(&ps[i])).collect())
+        };
+        let direct = all[0]
+            .iter()
+            .position(|d| d.target == "direct" && d.rate == p.rate)
+            .expect("a direct phase at each rate");
+        let added = |f: &dyn Fn(&kvrouter_bench::proxy::Phase) -> f64| {
+            median(all.iter().map(|ps| f(&ps[i]) - f(&ps[direct])).collect())
+        };
+        println!(
+            "  {:>8} at {:>5.0}/s: {:>7.0} answered/s, {} errors, {} late; TTFT p50 {:.0} us, p99 {:.0} us{}{}",
+            p.target,
+            p.rate,
+            med(&|x| x.achieved_rps),
+            med(&|x| x.errors as f64),
+            med(&|x| x.late as f64),
+            med(&|x| x.ttft_p50_us),
+            med(&|x| x.ttft_p99_us),
+            if p.target == "kvrouter" {
+                format!(
+                    "; added p50 {:.0} us, p99 {:.0} us",
+                    added(&|x| x.ttft_p50_us),
+                    added(&|x| x.ttft_p99_us)
+                )
+            } else {
+                String::new()
+            },
+            match p.cpu_ms_per_request {
+                Some(_) => format!(
+                    "; {:.3} ms CPU per request",
+                    med(&|x| x.cpu_ms_per_request.unwrap_or(f64::NAN))
+                ),
+                None => String::new(),
+            },
+        );
+    }
+    for (tokens, us) in kvrouter_bench::proxy::tokenisation(&cfg.model, &[1_000, 10_000, 100_000])?
+    {
+        println!("  tokenisation (chat template + encode) of {tokens} tokens: {us:.0} us");
+    }
     Ok(())
 }
 

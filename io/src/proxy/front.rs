@@ -440,7 +440,7 @@ pub(crate) async fn serve(listener: TcpListener, front: Rc<Front>) {
                 .timer(Timer)
                 .header_read_timeout(f.cfg.header_timeout)
                 .keep_alive(true)
-                .serve_connection(Io(stream), svc);
+                .serve_connection(Io::new(stream), svc);
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "proxy connection ended");
             }

@@ -181,7 +181,7 @@ impl Pool {
                 source: e.into(),
             })?;
         let _ = stream.set_nodelay(true);
-        let (sender, conn) = hyper::client::conn::http1::handshake(Io(stream))
+        let (sender, conn) = hyper::client::conn::http1::handshake(Io::new(stream))
             .await
             .map_err(|source| UpstreamError::Handshake { addr, source })?;
         let task = glommio::spawn_local(async move {

@@ -1,0 +1,491 @@
+//! The OpenAI front's added latency and CPU cost per request.
+//!
+//! A mock engine that answers at once (ours, in this process: a streaming chat answer of one
+//! token and `[DONE]` the moment the request is read) serves an open-loop load of streaming
+//! chat requests, first directly, then through `kvrouter serve --openai-listen` (the real
+//! binary, its own process: tokenisation with the model card, the routing decision, the
+//! relay). TTFT is from a request's send to the first `data:` bytes of its answer; the
+//! added latency is the proxied TTFT's percentile minus the direct one's. The kvrouter
+//! process's CPU time over the phase gives its CPU per request.
+//!
+//! With `--dynamo-venv`, the same load goes to Dynamo 1.6.1's frontend (`--router-mode kv`)
+//! in front of its mocker with `--speedup-ratio 0` (no simulated delays), and the frontend
+//! process's CPU per request is reported next to ours. Its TTFT includes the mocker's own
+//! request plane, so only the CPU figure compares like with like.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::perf::percentile;
+
+/// One phase of the load.
+#[derive(Debug, Clone, Serialize)]
+pub struct Phase {
+    /// What was measured (`direct`, `kvrouter`, `dynamo`).
+    pub target: &'static str,
+    /// Requests per second asked for.
+    pub rate: f64,
+    /// Requests answered (measured window).
+    pub requests: u64,
+    /// Requests that failed (status, connection, framing).
+    pub errors: u64,
+    /// Requests sent later than their schedule by more than 1 ms (the client fell behind).
+    pub late: u64,
+    /// Requests answered per second over the window as it really ran (below `rate` when
+    /// the server, or the machine, could not keep up).
+    pub achieved_rps: f64,
+    /// TTFT median, µs.
+    pub ttft_p50_us: f64,
+    /// TTFT 99th percentile, µs.
+    pub ttft_p99_us: f64,
+    /// CPU milliseconds per request of the measured server process (none for `direct`).
+    pub cpu_ms_per_request: Option<f64>,
+}
+
+/// Settings.
+#[derive(Debug, Clone)]
+pub struct ProxyBench {
+    /// The kvrouter binary.
+    pub kvrouter: PathBuf,
+    /// A model card directory (`tokenizer.json`, `tokenizer_config.json`).
+    pub model: PathBuf,
+    /// Request rates.
+    pub rates: Vec<f64>,
+    /// Seconds measured per phase (after one second of warm-up).
+    pub seconds: f64,
+    /// Client connections.
+    pub connections: usize,
+    /// Words of the system prompt (about one token each with a BPE card).
+    pub prompt_words: usize,
+    /// Dynamo's venv (`../shared/dynamo/setup.sh`): also measure its frontend.
+    pub dynamo_venv: Option<PathBuf>,
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// CPU seconds (user + system) of process `pid` so far.
+fn cpu_s(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces): utime is the 14th field.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The mock engine: every request answered at once, keep-alive, a thread per connection.
+fn mock_engine(stop: Arc<AtomicBool>) -> anyhow::Result<String> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?.to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let Ok(conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let _ = engine_conn(conn);
+            });
+        }
+    });
+    Ok(addr)
+}
+
+fn engine_conn(conn: TcpStream) -> std::io::Result<()> {
+    conn.set_nodelay(true)?;
+    let mut r = BufReader::new(conn.try_clone()?);
+    let mut w = conn;
+    let chunk = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{}{}0\r\n\r\n",
+        chunk(
+            "data: {\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"model\":\"tiny\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"ok\"},\"finish_reason\":\"stop\"}]}\n\n"
+        ),
+        chunk("data: [DONE]\n\n"),
+    );
+    loop {
+        let mut len = 0usize;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if r.read_line(&mut line)? == 0 {
+                return Ok(());
+            }
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                len = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0; len];
+        r.read_exact(&mut body)?;
+        w.write_all(answer.as_bytes())?;
+    }
+}
+
+/// One streaming request on a keep-alive connection: TTFT, or why it failed.
+fn one(conn: &mut TcpStream, head: &[u8], body: &[u8], buf: &mut Vec<u8>) -> anyhow::Result<u64> {
+    let t = Instant::now();
+    conn.write_all(head)?;
+    conn.write_all(body)?;
+    buf.clear();
+    let mut ttft = None;
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = conn.read(&mut chunk)?;
+        anyhow::ensure!(n > 0, "connection closed mid-answer");
+        buf.extend_from_slice(&chunk[..n]);
+        let Some(end) = find(buf, b"\r\n\r\n") else {
+            continue;
+        };
+        anyhow::ensure!(
+            buf.starts_with(b"HTTP/1.1 200"),
+            "status: {:?}",
+            String::from_utf8_lossy(&buf[..buf.len().min(64)])
+        );
+        if ttft.is_none() && find(&buf[end..], b"data:").is_some() {
+            ttft = Some(t.elapsed().as_nanos() as u64);
+        }
+        if buf.ends_with(b"\r\n0\r\n\r\n") {
+            return ttft.context("an answer without data");
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// An open-loop load at `rate` on `connections` keep-alive connections to `addr`: one
+/// second of warm-up, then `seconds` measured.
+fn load(
+    addr: &str,
+    rate: f64,
+    seconds: f64,
+    connections: usize,
+    body: &[u8],
+) -> anyhow::Result<(Vec<u64>, u64, u64, f64, u64)> {
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    let warm = Duration::from_secs(1);
+    let start = Instant::now() + Duration::from_millis(100);
+    let total = warm + Duration::from_secs_f64(seconds);
+    let per = connections as f64 / rate;
+    let threads: Vec<_> = (0..connections)
+        .map(|i| {
+            let (addr, head, body) = (addr.to_owned(), head.clone(), body.to_vec());
+            std::thread::spawn(move || -> (Vec<u64>, u64, u64, Instant, u64) {
+                let (mut lat, mut errors, mut late) = (Vec::new(), 0u64, 0u64);
+                let mut conn = None;
+                let mut buf = Vec::new();
+                let mut k = 0u64;
+                let mut done = 0u64;
+                loop {
+                    let at = start + Duration::from_secs_f64(i as f64 / rate + k as f64 * per);
+                    k += 1;
+                    if at >= start + total {
+                        return (lat, errors, late, Instant::now(), done);
+                    }
+                    let now = Instant::now();
+                    if at > now {
+                        std::thread::sleep(at - now);
+                    } else if now - at > Duration::from_millis(1) && at >= start + warm {
+                        late += 1;
+                    }
+                    if conn.is_none() {
+                        conn = TcpStream::connect(&addr).ok().inspect(|c| {
+                            let _ = c.set_nodelay(true);
+                        });
+                    }
+                    let Some(c) = conn.as_mut() else {
+                        errors += 1;
+                        continue;
+                    };
+                    match one(c, &head, &body, &mut buf) {
+                        Ok(t) => {
+                            done += 1;
+                            if at >= start + warm {
+                                lat.push(t);
+                            }
+                        }
+                        Err(_) => {
+                            conn = None;
+                            if at >= start + warm {
+                                errors += 1;
+                            }
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    let (mut lat, mut errors, mut late) = (Vec::new(), 0, 0);
+    let mut last = start;
+    let mut all = 0u64;
+    for t in threads {
+        let (l, e, s, end, d) = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("a client thread panicked"))?;
+        lat.extend(l);
+        last = last.max(end);
+        all += d;
+        errors += e;
+        late += s;
+    }
+    lat.sort_unstable();
+    // Over the measured window as it really ran: a client that fell behind ran longer.
+    let window = last
+        .saturating_duration_since(start + warm)
+        .as_secs_f64()
+        .max(seconds * 1e-3);
+    let rps = lat.len() as f64 / window;
+    Ok((lat, errors, late, rps, all))
+}
+
+fn phase(
+    target: &'static str,
+    rate: f64,
+    (lat, errors, late, rps, all): (Vec<u64>, u64, u64, f64, u64),
+    cpu: Option<f64>,
+) -> Phase {
+    let requests = lat.len() as u64;
+    Phase {
+        target,
+        rate,
+        requests,
+        errors,
+        late,
+        achieved_rps: rps,
+        ttft_p50_us: percentile(&lat, 0.5) as f64 / 1e3,
+        ttft_p99_us: percentile(&lat, 0.99) as f64 / 1e3,
+        // The CPU time covers the warm-up too: divided by every request answered.
+        cpu_ms_per_request: cpu.map(|c| c * 1e3 / all.max(1) as f64),
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn wait_port(addr: &str, what: &str, limit: Duration) -> anyhow::Result<()> {
+    let t = Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        anyhow::ensure!(t.elapsed() < limit, "{what} did not listen on {addr}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// The request every phase sends.
+fn request_body(words: usize) -> Vec<u8> {
+    let system: String = (0..words).map(|i| format!("w{} ", i % 97)).collect();
+    serde_json::to_vec(&serde_json::json!({
+        "model": "tiny", "stream": true, "max_tokens": 1,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hello"}],
+    }))
+    .expect("json")
+}
+
+/// Runs every phase at every rate: direct, through kvrouter, and (with a venv) Dynamo.
+pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
+    let body = request_body(cfg.prompt_words);
+    let stop = Arc::new(AtomicBool::new(false));
+    let engine = mock_engine(Arc::clone(&stop))?;
+    let openai = format!("127.0.0.1:{}", free_port()?);
+    let kv = Proc(
+        Command::new(&cfg.kvrouter)
+            .args([
+                "serve",
+                "--nats",
+                "off",
+                "--kv-events",
+                "false",
+                "--replica-sync",
+                "false",
+            ])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--workers",
+                "1",
+                "--openai-listen",
+                &openai,
+            ])
+            .arg("--model")
+            .arg(format!("tiny={}", cfg.model.display()))
+            .args(["--worker-url", &format!("1=http://{engine}")])
+            .env("KVROUTER_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", cfg.kvrouter.display()))?,
+    );
+    wait_port(&openai, "kvrouter's OpenAI front", Duration::from_secs(20))?;
+    let dynamo = match &cfg.dynamo_venv {
+        Some(venv) => Some(dynamo_stack(venv, &cfg.model)?),
+        None => None,
+    };
+    let mut out = Vec::new();
+    for &rate in &cfg.rates {
+        let direct = load(&engine, rate, cfg.seconds, cfg.connections, &body)?;
+        out.push(phase("direct", rate, direct, None));
+        let c0 = cpu_s(kv.0.id());
+        let r = load(&openai, rate, cfg.seconds, cfg.connections, &body)?;
+        // The warm-up second is in the CPU time too: scale to the measured window.
+        let c = cpu_s(kv.0.id()) - c0;
+        out.push(phase("kvrouter", rate, r, Some(c)));
+        if let Some(d) = &dynamo {
+            let c0 = cpu_s(d.frontend.0.id());
+            let r = load(&d.addr, rate, cfg.seconds, cfg.connections, &body)?;
+            let c = cpu_s(d.frontend.0.id()) - c0;
+            out.push(phase("dynamo", rate, r, Some(c)));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(kv);
+    Ok(out)
+}
+
+struct DynamoStack {
+    _mocker: Proc,
+    frontend: Proc,
+    addr: String,
+    _dir: PathBuf,
+}
+
+/// Dynamo 1.6.1's mocker (no simulated delays) and its frontend in `kv` mode.
+fn dynamo_stack(venv: &Path, model: &Path) -> anyhow::Result<DynamoStack> {
+    let dir = std::env::temp_dir().join(format!("kvrouter-proxy-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let py = |args: &[&str], log: &str| -> anyhow::Result<Proc> {
+        Ok(Proc(
+            Command::new(venv.join("bin/python"))
+                .args(args)
+                .env("DYN_FILE_KV", &dir)
+                .env("HF_HUB_OFFLINE", "1")
+                .envs(
+                    [
+                        "DYN_TCP_RPC_HOST",
+                        "DYN_TCP_RESPONSE_STREAM_HOST",
+                        "DYN_EVENT_PLANE_HOST",
+                        "DYN_SYSTEM_HOST",
+                    ]
+                    .map(|k| (k, "127.0.0.1")),
+                )
+                .stdout(std::fs::File::create(dir.join(format!("{log}.log")))?)
+                .stderr(std::fs::File::create(dir.join(format!("{log}.err")))?)
+                .spawn()?,
+        ))
+    };
+    let m = model.to_string_lossy();
+    let plane = [
+        "--discovery-backend",
+        "file",
+        "--event-plane",
+        "zmq",
+        "--request-plane",
+        "tcp",
+    ];
+    let mut args = vec![
+        "-m",
+        "dynamo.mocker",
+        "--model-path",
+        &m,
+        "--model-name",
+        "tiny",
+    ];
+    args.extend([
+        "--num-workers",
+        "1",
+        "--block-size",
+        "16",
+        "--speedup-ratio",
+        "0",
+    ]);
+    args.extend(plane);
+    let mocker = py(&args, "mocker")?;
+    let port = free_port()?.to_string();
+    let mut args = vec![
+        "-m",
+        "dynamo.frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        &port,
+    ];
+    args.extend(["--router-mode", "kv"]);
+    args.extend(plane);
+    let frontend = py(&args, "frontend")?;
+    let addr = format!("127.0.0.1:{port}");
+    let t = Instant::now();
+    loop {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(120),
+            "Dynamo's frontend did not list the model"
+        );
+        if let Ok(mut c) = TcpStream::connect(&addr) {
+            let _ = write!(
+                c,
+                "GET /v1/models HTTP/1.1\r\nhost: b\r\nconnection: close\r\n\r\n"
+            );
+            let mut s = String::new();
+            let _ = c.read_to_string(&mut s);
+            if s.contains("tiny") {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(DynamoStack {
+        _mocker: mocker,
+        frontend,
+        addr,
+        _dir: dir,
+    })
+}
+
+/// Tokenisation cost: a chat request of about `n` prompt tokens rendered with the card's
+/// template and encoded, as the front does for each request; (tokens, median µs of 5).
+pub fn tokenisation(model: &Path, sizes: &[usize]) -> anyhow::Result<Vec<(usize, f64)>> {
+    let card = kvrouter_io::proxy::model::ModelCard::load(model)?;
+    let mut out = Vec::new();
+    for &n in sizes {
+        let text: String = (0..n).map(|i| format!("w{} ", i % 997)).collect();
+        let req =
+            serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": text}]});
+        let mut times = Vec::new();
+        let mut tokens = 0;
+        for _ in 0..5 {
+            let t = Instant::now();
+            tokens = card.chat_tokens(&req)?.len();
+            times.push(t.elapsed().as_nanos() as u64);
+        }
+        times.sort_unstable();
+        out.push((tokens, times[2] as f64 / 1e3));
+    }
+    Ok(out)
+}
