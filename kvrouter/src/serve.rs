@@ -268,6 +268,12 @@ pub(crate) struct ServeArgs {
     /// Largest body the front accepts, bytes.
     #[arg(long, env = "KVROUTER_OPENAI_MAX_BODY_BYTES")]
     openai_max_body_bytes: Option<usize>,
+    /// Threads tokenising the front's requests off its executor (0: inline).
+    #[arg(long, env = "KVROUTER_TOKENIZER_THREADS")]
+    tokenizer_threads: Option<usize>,
+    /// Bodies of at most this many bytes are tokenised inline on the front's executor.
+    #[arg(long, env = "KVROUTER_INLINE_TOKENIZE_BYTES")]
+    inline_tokenize_bytes: Option<usize>,
     /// Session affinity: a header naming the session, besides `X-Dynamo-Session-ID`.
     #[arg(long, env = "KVROUTER_SESSION_HEADER")]
     session_header: Option<String>,
@@ -352,6 +358,8 @@ pub(crate) struct ServeConfig {
     upstream_first_byte_timeout_secs: u64,
     upstream_idle_timeout_secs: u64,
     openai_max_body_bytes: usize,
+    tokenizer_threads: usize,
+    inline_tokenize_bytes: usize,
     session_header: Option<String>,
     session_ttl_secs: u64,
 }
@@ -424,6 +432,8 @@ impl Default for ServeConfig {
             upstream_first_byte_timeout_secs: proxy.upstream.first_byte_timeout.as_secs(),
             upstream_idle_timeout_secs: proxy.upstream.idle_timeout.as_secs(),
             openai_max_body_bytes: proxy.max_body_bytes,
+            tokenizer_threads: proxy.tokenizer_threads,
+            inline_tokenize_bytes: proxy.inline_tokenize_bytes,
             session_header: None,
             session_ttl_secs: proxy.session_ttl.as_secs(),
         }
@@ -604,6 +614,8 @@ impl ServeConfig {
             upstream_first_byte_timeout_secs,
             upstream_idle_timeout_secs,
             openai_max_body_bytes,
+            tokenizer_threads,
+            inline_tokenize_bytes,
             session_ttl_secs
         );
         overlay_opt!(
@@ -693,6 +705,8 @@ impl ServeConfig {
             },
             max_retries: self.proxy_retries,
             max_body_bytes: self.openai_max_body_bytes,
+            tokenizer_threads: self.tokenizer_threads,
+            inline_tokenize_bytes: self.inline_tokenize_bytes,
             header_timeout: Duration::from_secs(self.header_timeout_secs.max(1)),
             body_timeout: Duration::from_secs(self.body_timeout_secs.max(1)),
             session_header: self.session_header.clone().map(|h| h.to_ascii_lowercase()),

@@ -45,6 +45,10 @@ fn front(engines: &[&MockEngine]) -> RouterHandle {
                 ],
                 backend: Backend::Engines(list),
                 max_body_bytes: 1 << 20,
+                // Every request through the tokenizer threads (the binary's tests keep
+                // the default, where small bodies stay inline).
+                tokenizer_threads: 2,
+                inline_tokenize_bytes: 0,
                 ..ProxyConfig::default()
             }),
             ..RouterConfig::default()

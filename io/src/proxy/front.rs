@@ -52,7 +52,8 @@ pub(crate) struct Front {
     /// The routing state, shared with the routing API on this executor.
     pub(super) state: Rc<RefCell<dyn Routing>>,
     pub(super) cfg: ProxyConfig,
-    models: Vec<(String, ModelCard)>,
+    models: Vec<(String, std::sync::Arc<ModelCard>)>,
+    pub(super) tokenizers: super::tokenize::Tokenizers,
     targets: HashMap<u64, Target>,
     dynamo: Option<Target>,
     pub(super) pool: Pool,
@@ -130,7 +131,7 @@ impl Front {
             if !card.has_chat_template() {
                 tracing::warn!(model = %m.name, "no chat template: /v1/chat/completions answers 400 for it");
             }
-            models.push((m.name.clone(), card));
+            models.push((m.name.clone(), std::sync::Arc::new(card)));
         }
         let (targets, dynamo) = match &cfg.backend {
             Backend::Engines(list) => (list.iter().cloned().collect(), None),
@@ -139,10 +140,14 @@ impl Front {
         let created = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let tokenizers =
+            super::tokenize::Tokenizers::new(cfg.tokenizer_threads, cfg.inline_tokenize_bytes)
+                .map_err(ProxyError::Threads)?;
         Ok(Front {
             state,
             cfg,
             models,
+            tokenizers,
             targets,
             dynamo,
             pool: Pool::default(),
@@ -198,7 +203,7 @@ impl Front {
         )
     }
 
-    pub(super) fn card(&self, name: &str) -> Option<&ModelCard> {
+    pub(super) fn card(&self, name: &str) -> Option<&std::sync::Arc<ModelCard>> {
         self.models.iter().find(|(n, _)| n == name).map(|(_, c)| c)
     }
 

@@ -45,6 +45,7 @@ mod request;
 mod rt;
 mod session;
 mod stats;
+mod tokenize;
 pub(crate) mod upstream;
 
 pub(crate) use front::{Front, serve};
@@ -75,6 +76,9 @@ pub enum ProxyError {
         #[source]
         source: model::CardError,
     },
+    /// The tokenizer threads could not be started.
+    #[error("cannot start the tokenizer threads")]
+    Threads(#[source] std::io::Error),
 }
 
 /// Where the proxy sends a request.
@@ -130,6 +134,12 @@ pub struct ProxyConfig {
     /// Consecutive requests of a model with no cached prefix anywhere after which the
     /// proxy warns that its tokenisation may not be the engine's (64).
     pub zero_overlap_warn: u64,
+    /// Threads that tokenise requests off the front's executor (0: all inline; default:
+    /// the machine's cores, at most 8).
+    pub tokenizer_threads: usize,
+    /// Bodies of at most this many bytes are tokenised inline, where the encoding is
+    /// shorter than a hand-off between threads (2,048).
+    pub inline_tokenize_bytes: usize,
 }
 
 impl Default for ProxyConfig {
@@ -148,6 +158,10 @@ impl Default for ProxyConfig {
             session_ttl: Duration::from_secs(600),
             max_sessions: 100_000,
             zero_overlap_warn: 64,
+            tokenizer_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(8),
+            inline_tokenize_bytes: 2048,
         }
     }
 }

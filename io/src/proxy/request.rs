@@ -2,8 +2,6 @@
 //! deadline, parsed, its model's card found and its prompt tokenised as the engine will
 //! see it (see the [module docs](super)).
 
-use std::time::Instant;
-
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::Response;
@@ -80,18 +78,15 @@ impl Front {
                 format!("the model `{model}` does not exist (GET /v1/models lists them)"),
             ));
         };
-        let t = Instant::now();
-        let tokens = match ep {
-            Endpoint::Chat => card.chat_tokens(&json),
-            Endpoint::Completions => card.completion_tokens(&json),
-        };
-        let tokens = match tokens {
-            Ok(t) => t,
+        let model = model.to_owned();
+        let card = std::sync::Arc::clone(card);
+        let done = self.tokenizers.tokenize(&card, json, ep, body.len()).await;
+        let (json, tokens) = match done.tokens {
+            Ok(t) => (done.json, t),
             Err(e) => return Err(error(400, "invalid_request_error", e.to_string())),
         };
-        self.stats.tokenize.observe(t.elapsed().as_secs_f64());
+        self.stats.tokenize.observe(done.took.as_secs_f64());
         let stream = json.get("stream").and_then(Json::as_bool).unwrap_or(false);
-        let model = model.to_owned();
         Ok(Prompt {
             body,
             json,
