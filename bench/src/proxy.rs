@@ -50,22 +50,30 @@ pub struct Phase {
     pub cpu_ms_per_request: Option<f64>,
 }
 
-/// Settings.
-#[derive(Debug, Clone)]
+/// Settings (the flags of `kvrouter-bench proxy`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct ProxyBench {
     /// The kvrouter binary.
+    #[arg(long, default_value = "target/release/kvrouter")]
     pub kvrouter: PathBuf,
-    /// A model card directory (`tokenizer.json`, `tokenizer_config.json`).
+    /// Model card directory (tokenizer.json, tokenizer_config.json).
+    #[arg(long, default_value = "target/tiny-model")]
     pub model: PathBuf,
-    /// Request rates.
+    /// Requests per second (comma list).
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
     pub rates: Vec<f64>,
     /// Seconds measured per phase (after one second of warm-up).
+    #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
     /// Client connections.
+    #[arg(long, default_value_t = 32)]
     pub connections: usize,
-    /// Words of the system prompt (about one token each with a BPE card).
+    /// Words of each request's system prompt (200 words: about 520 tokens with the tiny
+    /// card).
+    #[arg(long, default_value_t = 200)]
     pub prompt_words: usize,
-    /// Dynamo's venv (`../shared/dynamo/setup.sh`): also measure its frontend.
+    /// Dynamo's venv (`../shared/dynamo/setup.sh`): measure its frontend too.
+    #[arg(long)]
     pub dynamo_venv: Option<PathBuf>,
 }
 

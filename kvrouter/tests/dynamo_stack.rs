@@ -38,10 +38,6 @@ fn env(name: &str) -> PathBuf {
     }))
 }
 
-fn dynamo(venv: &Path, kv: &Path, args: &[&str], log: &Path) -> Proc {
-    dynamo_env(venv, kv, args, log, &[])
-}
-
 fn dynamo_env(venv: &Path, kv: &Path, args: &[&str], log: &Path, env: &[(&str, &str)]) -> Proc {
     let child = Command::new(venv.join("bin/python"))
         .args(args)
@@ -64,6 +60,81 @@ fn dynamo_env(venv: &Path, kv: &Path, args: &[&str], log: &Path, env: &[(&str, &
         .spawn()
         .expect("python starts");
     Proc(child)
+}
+
+/// Where a test's Dynamo processes find each other: the file tree `kv`, or etcd.
+struct Stack<'a> {
+    venv: &'a Path,
+    kv: &'a Path,
+    root: &'a Path,
+    /// `file` or `etcd`.
+    discovery: &'a str,
+    env: &'a [(&'a str, &'a str)],
+}
+
+impl Stack<'_> {
+    fn run(&self, args: &[&str], log: &str) -> Proc {
+        let mut all = args.to_vec();
+        all.extend([
+            "--discovery-backend",
+            self.discovery,
+            "--event-plane",
+            "zmq",
+            "--request-plane",
+            "tcp",
+        ]);
+        dynamo_env(self.venv, self.kv, &all, &self.root.join(log), self.env)
+    }
+
+    /// Two mocker workers of two dp ranks, 128 blocks of 16 tokens each rank, with
+    /// `extra` arguments.
+    fn mocker(&self, model: &Path, extra: &[&str]) -> Proc {
+        let model = model.to_string_lossy();
+        let mut args = vec![
+            "-m",
+            "dynamo.mocker",
+            "--model-path",
+            &model,
+            "--model-name",
+            "tiny",
+            "--num-workers",
+            "2",
+            "--block-size",
+            "16",
+            "--num-gpu-blocks-override",
+            "128",
+            "--data-parallel-size",
+            "2",
+        ];
+        args.extend(extra);
+        self.run(&args, "mocker.log")
+    }
+
+    /// A frontend in `mode`, once it lists the model; with its address.
+    fn frontend(&self, mode: &str) -> (Proc, String) {
+        let port = free_port().to_string();
+        let p = self.run(
+            &[
+                "-m",
+                "dynamo.frontend",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                &port,
+                "--router-mode",
+                mode,
+            ],
+            &format!("frontend-{mode}.log"),
+        );
+        let front = format!("127.0.0.1:{port}");
+        wait_for("the frontend", Duration::from_secs(90), || {
+            std::net::TcpStream::connect(&front).is_ok()
+                && http(&front, "GET", "/v1/models", "", &[])
+                    .1
+                    .contains("tiny")
+        });
+        (p, front)
+    }
 }
 
 /// A base port with its successor free too (a worker's two dp ranks).
@@ -240,37 +311,21 @@ fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
     std::fs::create_dir_all(&kv).unwrap();
     let (e0, e1, r0, r1) = (free_pair(), free_pair(), free_pair(), free_pair());
     let ports = |a: u16, b: u16| format!("{a},{b}");
-    let model_s = model.to_string_lossy().to_string();
-    let _mocker = dynamo(
-        &venv,
-        &kv,
+    let stack = Stack {
+        venv: &venv,
+        kv: &kv,
+        root: &root,
+        discovery: "file",
+        env: &[],
+    };
+    let _mocker = stack.mocker(
+        &model,
         &[
-            "-m",
-            "dynamo.mocker",
-            "--model-path",
-            &model_s,
-            "--model-name",
-            "tiny",
-            "--num-workers",
-            "2",
-            "--block-size",
-            "16",
-            "--num-gpu-blocks-override",
-            "128",
-            "--data-parallel-size",
-            "2",
-            "--discovery-backend",
-            "file",
-            "--event-plane",
-            "zmq",
-            "--request-plane",
-            "tcp",
             "--zmq-kv-events-ports",
             &ports(e0, e1),
             "--zmq-replay-ports",
             &ports(r0, r1),
         ],
-        &root.join("mocker.log"),
     );
     // The mocker is up once discovery lists its kv-events publishers.
     let channels = |kv: &Path| {
@@ -337,35 +392,7 @@ fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
     std::thread::sleep(Duration::from_millis(500));
 
     // Real traffic: chat requests over three shared system prompts, through the frontend.
-    let port = free_port();
-    let _frontend = dynamo(
-        &venv,
-        &kv,
-        &[
-            "-m",
-            "dynamo.frontend",
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            &port.to_string(),
-            "--router-mode",
-            "round-robin",
-            "--discovery-backend",
-            "file",
-            "--event-plane",
-            "zmq",
-            "--request-plane",
-            "tcp",
-        ],
-        &root.join("frontend.log"),
-    );
-    let front = format!("127.0.0.1:{port}");
-    wait_for("the frontend", Duration::from_secs(60), || {
-        std::net::TcpStream::connect(&front).is_ok()
-            && http(&front, "GET", "/v1/models", "", &[])
-                .1
-                .contains("tiny")
-    });
+    let (_frontend, front) = stack.frontend("round-robin");
     chat_traffic(&front);
     // Quiet: every router has every event once the counts stop moving.
     let total = |addr: &str| workers(addr).iter().map(|w| w.2).sum::<u64>();
@@ -449,35 +476,14 @@ fn kvrouter_follows_dynamos_etcd_discovery() {
         ("ETCD_ENDPOINTS", url.as_str()),
         ("DYN_DISCOVERY_BACKEND", "etcd"),
     ];
-    let model_s = model.to_string_lossy().to_string();
-    let mocker = dynamo_env(
-        &venv,
-        &kv,
-        &[
-            "-m",
-            "dynamo.mocker",
-            "--model-path",
-            &model_s,
-            "--model-name",
-            "tiny",
-            "--num-workers",
-            "2",
-            "--block-size",
-            "16",
-            "--num-gpu-blocks-override",
-            "128",
-            "--data-parallel-size",
-            "2",
-            "--discovery-backend",
-            "etcd",
-            "--event-plane",
-            "zmq",
-            "--request-plane",
-            "tcp",
-        ],
-        &root.join("mocker.log"),
-        &discovery,
-    );
+    let stack = Stack {
+        venv: &venv,
+        kv: &kv,
+        root: &root,
+        discovery: "etcd",
+        env: &discovery,
+    };
+    let mocker = stack.mocker(&model, &[]);
     // The mocker is up once etcd lists its four kv-events publishers.
     wait_for("the mocker's publishers", Duration::from_secs(60), || {
         etcd.keys("v1/event_channels/")
@@ -500,36 +506,7 @@ fn kvrouter_follows_dynamos_etcd_discovery() {
     // Real traffic through a frontend on the same etcd; the index equals Dynamo's own.
     let mut tree = dynamo_tree(&venv, &format!("etcd:{url}"), 4);
     std::thread::sleep(Duration::from_millis(500));
-    let port = free_port();
-    let _frontend = dynamo_env(
-        &venv,
-        &kv,
-        &[
-            "-m",
-            "dynamo.frontend",
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            &port.to_string(),
-            "--router-mode",
-            "round-robin",
-            "--discovery-backend",
-            "etcd",
-            "--event-plane",
-            "zmq",
-            "--request-plane",
-            "tcp",
-        ],
-        &root.join("frontend.log"),
-        &discovery,
-    );
-    let front = format!("127.0.0.1:{port}");
-    wait_for("the frontend", Duration::from_secs(60), || {
-        std::net::TcpStream::connect(&front).is_ok()
-            && http(&front, "GET", "/v1/models", "", &[])
-                .1
-                .contains("tiny")
-    });
+    let (_frontend, front) = stack.frontend("round-robin");
     chat_traffic(&front);
     let total = |addr: &str| workers(addr).iter().map(|w| w.2).sum::<u64>();
     let mut last = (u64::MAX, Value::Null);
@@ -630,62 +607,16 @@ fn kvrouter_in_front_of_dynamos_direct_mode_lands_every_request_where_it_chose()
     let kv = root.join("kv");
     std::fs::create_dir_all(&kv).unwrap();
     let model_s = model.to_string_lossy().to_string();
-    let stack = [
-        "--discovery-backend",
-        "file",
-        "--event-plane",
-        "zmq",
-        "--request-plane",
-        "tcp",
-    ];
-    let mut args = vec![
-        "-m",
-        "dynamo.mocker",
-        "--model-path",
-        &model_s,
-        "--model-name",
-        "tiny",
-        "--num-workers",
-        "2",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks-override",
-        "128",
-        "--data-parallel-size",
-        "2",
-    ];
-    args.extend(stack);
-    let _mocker = dynamo(&venv, &kv, &args, &root.join("mocker.log"));
-    let frontend = |mode: &str| {
-        let port = free_port();
-        let mut args = vec![
-            "-m".to_owned(),
-            "dynamo.frontend".into(),
-            "--http-host".into(),
-            "127.0.0.1".into(),
-            "--http-port".into(),
-            port.to_string(),
-            "--router-mode".into(),
-            mode.into(),
-        ];
-        args.extend(stack.map(String::from));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let p = dynamo(
-            &venv,
-            &kv,
-            &args,
-            &root.join(format!("frontend-{mode}.log")),
-        );
-        (p, format!("127.0.0.1:{port}"))
+    let stack = Stack {
+        venv: &venv,
+        kv: &kv,
+        root: &root,
+        discovery: "file",
+        env: &[],
     };
-    let (_direct, direct) = frontend("direct");
-    let (_rr, rr) = frontend("round-robin");
-    for f in [&direct, &rr] {
-        wait_for("a frontend with the model", Duration::from_secs(90), || {
-            std::net::TcpStream::connect(f.as_str()).is_ok()
-                && http(f, "GET", "/v1/models", "", &[]).1.contains("tiny")
-        });
-    }
+    let _mocker = stack.mocker(&model, &[]);
+    let (_direct, direct) = stack.frontend("direct");
+    let (_rr, rr) = stack.frontend("round-robin");
     let openai = format!("127.0.0.1:{}", free_port());
     let (_k, a, _) = serve(&[
         "--dynamo-discovery",

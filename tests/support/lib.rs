@@ -193,8 +193,23 @@ pub fn http_bytes(
     body: &[u8],
     headers: &[(&str, &str)],
 ) -> (u16, String) {
+    let resp = exchange(addr, method, path, body, headers);
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// One request on its own connection (`Connection: close`): the whole raw response.
+fn exchange(addr: &str, method: &str, path: &str, body: &[u8], headers: &[(&str, &str)]) -> String {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to the API");
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
     let extra: String = headers
         .iter()
         .map(|(k, v)| format!("{k}: {v}\r\n"))
@@ -207,16 +222,7 @@ pub fn http_bytes(
     s.write_all(body).expect("send");
     let mut resp = String::new();
     s.read_to_string(&mut resp).expect("read");
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    resp
 }
 
 /// A whole HTTP/1.1 response: status, headers (names lower-cased), body (de-chunked).
@@ -248,20 +254,7 @@ pub fn http_response(
     body: &str,
     headers: &[(&str, &str)],
 ) -> Response {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    let extra: String = headers
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}\r\n"))
-        .collect();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n{extra}\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).expect("send");
-    s.write_all(body.as_bytes()).expect("send");
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).expect("read");
+    let raw = exchange(addr, method, path, body.as_bytes(), headers);
     let (head, rest) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
     let mut lines = head.lines();
     let status = lines

@@ -120,30 +120,11 @@ enum Cmd {
     /// engine that answers at once, directly and through `kvrouter serve --openai-listen`
     /// (and Dynamo's frontend with `--dynamo-venv`), and the tokenisation cost.
     Proxy {
-        /// The kvrouter binary.
-        #[arg(long, default_value = "target/release/kvrouter")]
-        kvrouter: PathBuf,
-        /// Model card directory (tokenizer.json, tokenizer_config.json).
-        #[arg(long, default_value = "target/tiny-model")]
-        model: PathBuf,
-        /// Requests per second (comma list).
-        #[arg(long, value_delimiter = ',', default_value = "1000,5000")]
-        rates: Vec<f64>,
-        /// Seconds measured per phase (after one of warm-up).
-        #[arg(long, default_value_t = 5.0)]
-        seconds: f64,
-        /// Client connections.
-        #[arg(long, default_value_t = 32)]
-        connections: usize,
-        /// Words of each request's system prompt.
-        #[arg(long, default_value_t = 200)]
-        prompt_words: usize,
+        #[command(flatten)]
+        bench: kvrouter_bench::proxy::ProxyBench,
         /// Runs (medians are printed).
         #[arg(long, default_value_t = 3)]
         runs: usize,
-        /// Dynamo's venv (../shared/dynamo/setup.sh): measure its frontend too.
-        #[arg(long)]
-        dynamo_venv: Option<PathBuf>,
     },
     /// Routing-API load generator over loopback, with the log's events loaded.
     Route {
@@ -339,27 +320,7 @@ fn main() -> anyhow::Result<()> {
             runs,
             rate,
         } => ingest(&log, &nats, shards, runs, rate),
-        Cmd::Proxy {
-            kvrouter,
-            model,
-            rates,
-            seconds,
-            connections,
-            prompt_words,
-            runs,
-            dynamo_venv,
-        } => proxy(
-            &kvrouter_bench::proxy::ProxyBench {
-                kvrouter,
-                model,
-                rates,
-                seconds,
-                connections,
-                prompt_words,
-                dynamo_venv,
-            },
-            runs,
-        ),
+        Cmd::Proxy { bench, runs } => proxy(&bench, runs),
         Cmd::Zmq {
             log,
             python,
