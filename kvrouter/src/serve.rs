@@ -241,6 +241,11 @@ pub(crate) struct ServeArgs {
     /// tokenizer_config.json).
     #[arg(long = "model", env = "KVROUTER_MODELS", value_delimiter = ';')]
     models: Option<Vec<String>>,
+    /// A LoRA adapter the front serves, repeated: `ADAPTER=BASE` (BASE a `--model` name):
+    /// requests naming ADAPTER use BASE's card, go to the engines unchanged, and hash their
+    /// blocks with the adapter's name, as the engines' KV events do.
+    #[arg(long = "lora", env = "KVROUTER_LORAS", value_delimiter = ';')]
+    loras: Option<Vec<String>>,
     /// A worker's OpenAI base URL, repeated: `WORKER_ID=http://HOST:PORT` (ZMQ engines
     /// give theirs with `url=`).
     #[arg(
@@ -349,6 +354,7 @@ pub(crate) struct ServeConfig {
     max_active_prefill_tokens: Option<u64>,
     openai_listen: Option<SocketAddr>,
     models: Vec<String>,
+    loras: Vec<String>,
     #[serde(serialize_with = "redacted_urls")]
     worker_urls: Vec<String>,
     #[serde(serialize_with = "redacted_opt_url")]
@@ -425,6 +431,7 @@ impl Default for ServeConfig {
             max_active_prefill_tokens: None,
             openai_listen: None,
             models: Vec::new(),
+            loras: Vec::new(),
             worker_urls: Vec::new(),
             dynamo_frontend: None,
             proxy_retries: proxy.max_retries,
@@ -608,6 +615,7 @@ impl ServeConfig {
             decode_delay_weight,
             herd_k,
             models,
+            loras,
             worker_urls,
             proxy_retries,
             upstream_connect_timeout_ms,
@@ -653,9 +661,31 @@ impl ServeConfig {
                 Ok(ModelSpec {
                     name: name.trim().to_owned(),
                     dir: PathBuf::from(dir.trim()),
+                    lora_name: None,
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut models = models;
+        for l in &self.loras {
+            let (adapter, base) = l
+                .split_once('=')
+                .with_context(|| format!("--lora {l:?}: expected ADAPTER=BASE"))?;
+            let (adapter, base) = (adapter.trim(), base.trim());
+            let dir = models
+                .iter()
+                .find(|m| m.name == base)
+                .map(|m| m.dir.clone())
+                .with_context(|| format!("--lora {l:?}: {base:?} is not a --model"))?;
+            anyhow::ensure!(
+                !models.iter().any(|m| m.name == adapter),
+                "--lora {l:?}: {adapter:?} is already served"
+            );
+            models.push(ModelSpec {
+                name: adapter.to_owned(),
+                dir,
+                lora_name: Some(adapter.to_owned()),
+            });
+        }
         if models.is_empty() {
             anyhow::bail!("--openai-listen needs at least one --model NAME=DIR");
         }
@@ -1060,6 +1090,31 @@ mod tests {
             toml::from_str::<ServeConfig>("[[engines]]\nname = \"a\"\nevents = \"x\"\nport = 1\n")
                 .is_err()
         );
+    }
+
+    #[test]
+    fn a_lora_adapter_is_served_with_its_base_models_card() {
+        let cfg: ServeConfig = toml::from_str(
+            r#"
+            openai_listen = "127.0.0.1:0"
+            models = ["tiny=/cards/tiny"]
+            loras = ["tiny-sql=tiny"]
+            worker_urls = ["1=http://127.0.0.1:9"]
+            "#,
+        )
+        .unwrap();
+        let p = cfg.proxy(&[]).unwrap().unwrap();
+        let sql = p.models.iter().find(|m| m.name == "tiny-sql").unwrap();
+        assert_eq!(sql.dir, PathBuf::from("/cards/tiny"));
+        assert_eq!(sql.lora_name.as_deref(), Some("tiny-sql"));
+        assert_eq!(p.models[0].lora_name, None);
+        for bad in [r#"["x=nope"]"#, r#"["tiny=tiny"]"#, r#"["no-equals"]"#] {
+            let cfg: ServeConfig = toml::from_str(&format!(
+                "openai_listen = \"127.0.0.1:0\"\nmodels = [\"tiny=/c\"]\nloras = {bad}\nworker_urls = [\"1=http://127.0.0.1:9\"]"
+            ))
+            .unwrap();
+            assert!(cfg.proxy(&[]).is_err(), "{bad}");
+        }
     }
 
     #[test]

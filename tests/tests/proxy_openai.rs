@@ -10,7 +10,7 @@ use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target};
 use kvrouter_io::router::{self, RouterConfig, RouterHandle};
 use kvrouter_tests::fleet::wait_until;
 use kvrouter_tests::openai::{MockEngine, card_with_template, sdk, tiny_card};
-use kvrouter_tests::{http, metric};
+use kvrouter_tests::{http, http_response, metric};
 
 fn front(engines: &[&MockEngine]) -> RouterHandle {
     let strict = card_with_template(
@@ -37,10 +37,17 @@ fn front(engines: &[&MockEngine]) -> RouterHandle {
                     ModelSpec {
                         name: "tiny".into(),
                         dir: tiny_card(),
+                        lora_name: None,
+                    },
+                    ModelSpec {
+                        name: "tiny-sql".into(),
+                        dir: tiny_card(),
+                        lora_name: Some("tiny-sql".into()),
                     },
                     ModelSpec {
                         name: "strict".into(),
                         dir: strict,
+                        lora_name: None,
                     },
                 ],
                 backend: Backend::Engines(list),
@@ -100,7 +107,10 @@ fn the_openai_sdk_gets_answers_relayed_and_every_request_is_freed() {
     for o in &out {
         assert!(o.get("exception").is_none(), "{o}");
     }
-    assert_eq!(by("models")["ids"], serde_json::json!(["tiny", "strict"]));
+    assert_eq!(
+        by("models")["ids"],
+        serde_json::json!(["tiny", "tiny-sql", "strict"])
+    );
     // Answers arrive intact, from the engine the router named.
     let chat = by("chat");
     let worker = chat["worker"].as_str().expect("worker header");
@@ -250,4 +260,48 @@ fn a_dead_worker_before_the_first_byte_is_retried_elsewhere() {
     wait_until("every request freed", Duration::from_secs(5), || {
         active_requests(&api) == 0
     });
+}
+
+#[test]
+fn a_lora_adapter_has_its_own_blocks_and_reaches_the_engine_by_name() {
+    // Approximate mode: the router records its own decisions, so a prompt routed once is
+    // credited when it comes again, under the same hashes only.
+    let a = MockEngine::start("A", &[]);
+    let r = front(&[&a]);
+    let proxy = r.proxy_addr().expect("the front runs").to_string();
+    let system = "You are a careful SQL assistant. ".repeat(20);
+    let ask = |model: &str| {
+        let body = serde_json::json!({
+            "model": model, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+        });
+        let resp = http_response(
+            &proxy,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &[("Content-Type", "application/json")],
+        );
+        assert_eq!(resp.status, 200, "{}", resp.body);
+        let answer: serde_json::Value = serde_json::from_str(&resp.body).expect("json");
+        assert_eq!(
+            answer["model"], model,
+            "the engine sees the name the client sent"
+        );
+        let overlap: u64 = resp
+            .header("x-kvrouter-overlap-blocks")
+            .expect("overlap header")
+            .parse()
+            .unwrap();
+        overlap
+    };
+    assert_eq!(ask("tiny"), 0);
+    let base = ask("tiny");
+    assert!(
+        base > 0,
+        "the base model's prompt is credited the second time"
+    );
+    // The adapter's blocks are not the base model's, then are its own.
+    assert_eq!(ask("tiny-sql"), 0);
+    assert_eq!(ask("tiny-sql"), base);
 }

@@ -52,7 +52,8 @@ pub(crate) struct Front {
     /// The routing state, shared with the routing API on this executor.
     pub(super) state: Rc<RefCell<dyn Routing>>,
     pub(super) cfg: ProxyConfig,
-    models: Vec<(String, std::sync::Arc<ModelCard>)>,
+    /// Served name, card (shared by every name of one directory), LoRA adapter.
+    models: Vec<(String, std::sync::Arc<ModelCard>, Option<String>)>,
     pub(super) tokenizers: super::tokenize::Tokenizers,
     targets: HashMap<u64, Target>,
     dynamo: Option<Target>,
@@ -122,16 +123,25 @@ impl Front {
         stats: Rc<ProxyStats>,
     ) -> Result<Self, ProxyError> {
         let mut models = Vec::new();
+        let mut cards: HashMap<std::path::PathBuf, std::sync::Arc<ModelCard>> = HashMap::new();
         for m in &cfg.models {
-            let card = ModelCard::load(&m.dir).map_err(|source| ProxyError::Model {
-                name: m.name.clone(),
-                dir: m.dir.clone(),
-                source,
-            })?;
-            if !card.has_chat_template() {
-                tracing::warn!(model = %m.name, "no chat template: /v1/chat/completions answers 400 for it");
-            }
-            models.push((m.name.clone(), std::sync::Arc::new(card)));
+            let card = match cards.get(&m.dir) {
+                Some(c) => std::sync::Arc::clone(c),
+                None => {
+                    let card = ModelCard::load(&m.dir).map_err(|source| ProxyError::Model {
+                        name: m.name.clone(),
+                        dir: m.dir.clone(),
+                        source,
+                    })?;
+                    if !card.has_chat_template() {
+                        tracing::warn!(model = %m.name, "no chat template: /v1/chat/completions answers 400 for it");
+                    }
+                    let card = std::sync::Arc::new(card);
+                    cards.insert(m.dir.clone(), std::sync::Arc::clone(&card));
+                    card
+                }
+            };
+            models.push((m.name.clone(), card, m.lora_name.clone()));
         }
         let (targets, dynamo) = match &cfg.backend {
             Backend::Engines(list) => (list.iter().cloned().collect(), None),
@@ -191,7 +201,7 @@ impl Front {
         let data: Vec<Json> = self
             .models
             .iter()
-            .map(|(name, _)| {
+            .map(|(name, _, _)| {
                 serde_json::json!({"id": name, "object": "model", "created": self.created, "owned_by": "kvrouter"})
             })
             .collect();
@@ -203,8 +213,12 @@ impl Front {
         )
     }
 
-    pub(super) fn card(&self, name: &str) -> Option<&std::sync::Arc<ModelCard>> {
-        self.models.iter().find(|(n, _)| n == name).map(|(_, c)| c)
+    /// The card of a served model name, and the LoRA adapter it names.
+    pub(super) fn card(&self, name: &str) -> Option<(&std::sync::Arc<ModelCard>, Option<&str>)> {
+        self.models
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, c, l)| (c, l.as_deref()))
     }
 
     /// A refused decision as the client sees it, counted as `/v1/route` counts it.
@@ -248,6 +262,7 @@ impl Front {
             model,
             tokens,
             stream,
+            lora,
         } = match self.read_prompt(&parts.headers, body, ep).await {
             Ok(p) => p,
             Err(r) => return r,
@@ -261,7 +276,14 @@ impl Front {
         {
             return self.refused(&e);
         }
-        let locals = local_block_hashes(&tokens, bs, &HashOptions::default());
+        let locals = local_block_hashes(
+            &tokens,
+            bs,
+            &HashOptions {
+                lora_name: lora.as_deref(),
+                ..HashOptions::default()
+            },
+        );
         let session = self.session_of(&parts.headers);
         let client_id = parts
             .headers
@@ -276,7 +298,7 @@ impl Front {
                 locals: &locals,
                 tokens: tokens.len() as u64,
                 request_id: client_id.as_deref().filter(|_| attempt == 0),
-                lora_name: None,
+                lora_name: lora.clone(),
                 explain: false,
             };
             let d = match self.choose(ask, session.as_deref(), &excluded) {

@@ -101,6 +101,11 @@ pub struct ModelSpec {
     pub name: String,
     /// Its card: `tokenizer.json` and `tokenizer_config.json`.
     pub dir: PathBuf,
+    /// The LoRA adapter this name serves (vLLM's `--lora-modules NAME=PATH`: the engine
+    /// applies it when a request names it): its blocks are hashed with the adapter's name,
+    /// as the engine's KV events and Dynamo's hashing salt them, so a base model's cache
+    /// never counts for its adapter nor one adapter's for another.
+    pub lora_name: Option<String>,
 }
 
 /// Settings of the OpenAI front.

@@ -24,6 +24,8 @@ pub(super) struct Prompt {
     pub(super) tokens: Vec<u32>,
     /// Whether the client asked for a stream.
     pub(super) stream: bool,
+    /// The LoRA adapter its model names.
+    pub(super) lora: Option<String>,
 }
 
 impl Front {
@@ -71,7 +73,7 @@ impl Front {
         let Some(model) = json.get("model").and_then(Json::as_str) else {
             return Err(error(400, "invalid_request_error", "`model` is required"));
         };
-        let Some(card) = self.card(model) else {
+        let Some((card, lora)) = self.card(model) else {
             return Err(error(
                 404,
                 "model_not_found",
@@ -79,6 +81,7 @@ impl Front {
             ));
         };
         let model = model.to_owned();
+        let lora = lora.map(str::to_owned);
         let card = std::sync::Arc::clone(card);
         let done = self.tokenizers.tokenize(&card, json, ep, body.len()).await;
         let (json, tokens) = match done.tokens {
@@ -93,6 +96,7 @@ impl Front {
             model,
             tokens,
             stream,
+            lora,
         })
     }
 
