@@ -2,6 +2,17 @@
 //! a request naming a session goes to the worker its session is bound to while that one is
 //! a candidate with room; the binding lasts `session_ttl` after the session's last request,
 //! and at most `max_sessions` are held.
+//!
+//! Bindings are per replica, not shared through replica sync. Replica sync carries
+//! Dynamo's own active-sequence messages (so that a Dynamo router and kvrouter replicas can
+//! share one subject), which have no field for a session; a message of our own would
+//! break that compatibility. What a shared binding would buy is small: every replica sees
+//! the same KV events and, through replica sync, every replica's in-flight requests, so a
+//! session's next turn, wherever it lands, finds its prefix cached (or in flight, with
+//! `credit_inflight`) on the worker that served the last one and is routed there by the
+//! cost alone; the binding only decides ties and the turns whose cache was evicted. A
+//! deployment that needs strict stickiness across replicas routes a session's requests
+//! to one replica (a hash of the session header at the load balancer).
 
 use hyper::header::HeaderMap;
 use kvrouter_core::decision::{DecideError, Decision};
