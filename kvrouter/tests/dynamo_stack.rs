@@ -5,6 +5,9 @@
 //! both for the router on Dynamo's plane and for one on the mocker's vLLM-native wire
 //! (`--zmq-kv-events-ports`, with replay).
 //!
+//! With a host tier (`--num-host-blocks`), kvrouter's device and lower-tier block counts equal
+//! what the raw events say.
+//!
 //! With etcd discovery (a real etcd, Debian's `etcd-server`) the same: the idle fleet listed
 //! within a second, `/v1/overlaps` equal to the RadixTree's, and a killed fleet removed once
 //! etcd's leases lapse.
@@ -715,6 +718,88 @@ fn kvrouter_in_front_of_dynamos_direct_mode_lands_every_request_where_it_chose()
         predicted_exactly * 10 >= load.len() * 9,
         "{predicted_exactly}/{}",
         load.len()
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn kvrouter_indexes_the_mockers_host_tier_as_its_events_say() {
+    let venv = env("KVROUTER_DYNAMO_VENV");
+    let model = env("KVROUTER_DYNAMO_MODEL");
+    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-host-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let kv = root.join("kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    let stack = Stack {
+        venv: &venv,
+        kv: &kv,
+        root: &root,
+        discovery: "file",
+        env: &[],
+    };
+    // 40 device blocks a rank: the traffic below overflows them, and the mocker offloads
+    // what it evicts to a host tier of 200 blocks, publishing its own tier events.
+    let _mocker = stack.mocker(
+        &model,
+        &[
+            "--num-gpu-blocks-override",
+            "40",
+            "--num-host-blocks",
+            "200",
+        ],
+    );
+    let (_a, a, _) = serve(&["--dynamo-discovery", &format!("file:{}", kv.display())]);
+    wait_for("the fleet", Duration::from_secs(60), || {
+        workers(&a).len() == 4
+    });
+    let mut tree = dynamo_tree(&venv, &kv.to_string_lossy(), 4);
+    std::thread::sleep(Duration::from_millis(500));
+    let (_frontend, front) = stack.frontend("round-robin");
+    chat_traffic(&front);
+    let count = |name: &str| kvrouter_tests::metric(&a, name) as u64;
+    let mut last = (u64::MAX, u64::MAX, Value::Null);
+    wait_for("the index to settle", Duration::from_secs(30), || {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = (
+            count("kvrouter_index_blocks"),
+            count("kvrouter_index_lower_tier_blocks"),
+            tree.ask(json!({"op": "tiers"})),
+        );
+        let same = now == last;
+        last = now;
+        same
+    });
+    let (device, lower, tiers) = last;
+    let published = |t: &str| tiers[t].as_u64().unwrap_or(0);
+    let offloaded: u64 = tiers
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| t.as_str() != "device")
+        .map(|(_, n)| n.as_u64().unwrap())
+        .sum();
+    assert!(offloaded > 0, "the mocker offloaded nothing: {tiers}");
+    assert_eq!(device, published("device"), "device blocks: {tiers}");
+    assert_eq!(lower, offloaded, "lower-tier blocks: {tiers}");
+    // A prompt whose prefix left the device is still found, in host memory.
+    let paths: Vec<Vec<u64>> = serde_json::from_value(tree.ask(json!({"op": "paths"}))).unwrap();
+    let host_hits = paths
+        .iter()
+        .filter(|q| {
+            let (_, body) = http(
+                &a,
+                "POST",
+                "/v1/overlaps",
+                &json!({"block_hashes": q}).to_string(),
+                &[],
+            );
+            body.contains("host_blocks")
+        })
+        .count();
+    assert!(host_hits > 0, "no query found host blocks");
+    eprintln!(
+        "dynamo stack (host tier): {device} device and {lower} lower-tier blocks, as the events say ({tiers}); {host_hits}/{} queries continue in host memory",
+        paths.len()
     );
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -6,6 +6,9 @@ answers on stdin, one JSON line per command:
   {"op": "paths"}              -> every stored block's local-hash path from its root
   {"op": "scores", "q": [...]} -> {"WORKER/DP": blocks, ...} from RadixTree.find_matches
   {"op": "count"}              -> {"events": N}
+  {"op": "tiers"}              -> {"TIER": blocks, ...}: the blocks each storage tier holds, from
+                                  the raw events (stored adds, removed and cleared take away, per
+                                  worker, dp rank and tier)
 
 Run with the interpreter of the venv ../shared/dynamo/setup.sh makes. Prints
 "subscribed N" once its N subscriptions are up.
@@ -66,6 +69,8 @@ def main():
     # block hash -> (parent block hash, local hash), per worker
     blocks = {}
     state = {"events": 0}
+    # (worker, dp rank, tier) -> block hashes, from the events as published
+    tiers = {}
 
     def pump():
         while True:
@@ -80,6 +85,13 @@ def main():
                     tree.apply_event(w, json.dumps(e).encode())
                     state["events"] += 1
                     data = e["data"]
+                    held = tiers.setdefault((w, e.get("dp_rank", 0), ev.get("storage_tier", "device")), set())
+                    if data == "cleared":
+                        held.clear()
+                    elif isinstance(data, dict) and "removed" in data:
+                        held.difference_update(data["removed"]["block_hashes"])
+                    elif isinstance(data, dict) and "stored" in data:
+                        held.update(b["block_hash"] for b in data["stored"]["blocks"])
                     if isinstance(data, dict) and "stored" in data:
                         parent = data["stored"].get("parent_hash")
                         for b in data["stored"]["blocks"]:
@@ -103,6 +115,10 @@ def main():
             elif cmd["op"] == "scores":
                 r = tree.find_matches(cmd["q"])
                 out = {f"{w}/{dp}": n for (w, dp), n in r.scores.items()}
+            elif cmd["op"] == "tiers":
+                out = {}
+                for (_, _, tier), held in tiers.items():
+                    out[tier] = out.get(tier, 0) + len(held)
             else:
                 out = {"events": state["events"]}
         print(json.dumps(out), flush=True)
