@@ -6,6 +6,10 @@
 //!   sees it (send to full answer, loopback included);
 //! * **closed loop** (`--rate 0`): the maximum sustained routes/s with `connections`
 //!   connections.
+//!
+//! With `overlaps`, the same queries go to `/v1/overlaps` instead (read-only: nothing to
+//! free; the server-side quantiles count routing decisions only, so only the client-side
+//! figures apply).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -174,7 +178,13 @@ pub fn run(
     duration: Duration,
     connections: usize,
     binary: bool,
+    overlaps: bool,
 ) -> anyhow::Result<RouteReport> {
+    let path = if overlaps {
+        "/v1/overlaps"
+    } else {
+        "/v1/route"
+    };
     let mut index = TreeIndex::new(1);
     for op in &log.ops {
         if let PerfOp::Event(e) = op {
@@ -224,6 +234,7 @@ pub fn run(
         .map(|c| {
             let bodies = bodies.clone();
             let headers = headers.clone();
+            let path = path.to_owned();
             std::thread::spawn(move || -> anyhow::Result<Vec<u64>> {
                 let mut stream = TcpStream::connect(addr)?;
                 stream.set_nodelay(true)?;
@@ -244,9 +255,11 @@ pub fn run(
                     sent += 1;
                     let t = Instant::now();
                     let answer =
-                        request_with(&mut stream, &mut buf, "POST", "/v1/route", &headers, body)?;
+                        request_with(&mut stream, &mut buf, "POST", &path, &headers, body)?;
                     lat.push(t.elapsed().as_nanos() as u64);
-                    free_routed(&mut stream, &mut buf, &answer)?;
+                    if !overlaps {
+                        free_routed(&mut stream, &mut buf, &answer)?;
+                    }
                 }
                 Ok(lat)
             })

@@ -145,6 +145,9 @@ enum Cmd {
         /// Send the binary framing (little-endian hashes) instead of JSON.
         #[arg(long)]
         binary: bool,
+        /// Send the queries to `/v1/overlaps` instead (client-side figures only).
+        #[arg(long)]
+        overlaps: bool,
     },
     /// Restart recovery: a `kvrouter serve` process restoring a snapshot of `--blocks`
     /// blocks, from spawn to serving.
@@ -281,6 +284,7 @@ fn main() -> anyhow::Result<()> {
             connections,
             runs,
             binary,
+            overlaps,
         } => {
             let loaded = LoadedLog::load(&log)?;
             let mut reports = Vec::new();
@@ -291,6 +295,7 @@ fn main() -> anyhow::Result<()> {
                     std::time::Duration::from_secs(seconds),
                     connections,
                     binary,
+                    overlaps,
                 )?;
                 eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
                 reports.push(r);
@@ -299,8 +304,13 @@ fn main() -> anyhow::Result<()> {
                 median(reports.iter().map(f).collect())
             };
             println!(
-                "route ({} cached blocks, {}, target {rate} routes/s, {connections} connection(s), median of {runs}): {:.0} routes/s; \
+                "{} ({} cached blocks, {}, target {rate}/s, {connections} connection(s), median of {runs}): {:.0} requests/s; \
                  client-side p50/p99/p999 {:.1}/{:.1}/{:.1} us; server-side decision p50/p99/p999 {:.1}/{:.1}/{:.1} us",
+                if overlaps {
+                    "/v1/overlaps"
+                } else {
+                    "/v1/route"
+                },
                 reports[0].cached_blocks,
                 if binary { "binary framing" } else { "JSON" },
                 med(|r| r.routes_per_s),
