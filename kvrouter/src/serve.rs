@@ -924,9 +924,16 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         512 << 10,
     )
     .context("starting the routing API")?;
-    println!("kvrouter serving on http://{}", api.addr());
+    // Both lines in one write, and a closed stdout ignored: a supervisor that read the
+    // address and closed the pipe must not kill the router (println! would panic on EPIPE).
+    let mut banner = format!("kvrouter serving on http://{}\n", api.addr());
     if let Some(a) = api.proxy_addr() {
-        println!("kvrouter OpenAI front on http://{a}");
+        banner.push_str(&format!("kvrouter OpenAI front on http://{a}\n"));
+    }
+    {
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(banner.as_bytes()).and_then(|()| out.flush());
     }
     // Stop cleanly on SIGTERM / SIGINT: the API first, then the ingest (which writes its
     // snapshot on stop).

@@ -618,3 +618,29 @@ fn host_tier_blocks_from_vllm_engines_reach_overlaps_and_win_routes() {
     e1.finish();
     e2.finish();
 }
+
+/// A supervisor that closes the router's stdout before the banner is written must not
+/// take the router down (a failed `println!` panics): it serves on a known port.
+#[test]
+fn a_closed_stdout_does_not_stop_the_router() {
+    let port = kvrouter_tests::free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args(["serve", "--nats", "off", "--workers", "1"])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .env("KVROUTER_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvrouter serve starts");
+    drop(child.stdout.take());
+    let addr = format!("127.0.0.1:{port}");
+    wait_until("the API", || {
+        std::net::TcpStream::connect(&addr).is_ok()
+            && http(&addr, "GET", "/healthz", "", &[]).0 == 200
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(child.try_wait().unwrap().is_none(), "the router exited");
+    assert_eq!(http(&addr, "GET", "/healthz", "", &[]).0, 200);
+    let _ = child.kill();
+    let _ = child.wait();
+}
