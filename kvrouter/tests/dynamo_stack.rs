@@ -140,6 +140,21 @@ impl Stack<'_> {
     }
 }
 
+/// The stack's venv and model card (from `scripts/dynamo-stack.sh`), and a fresh directory
+/// for a test's logs with the file-discovery tree `kv` inside.
+fn setup(test: &str) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let kv = root.join("kv");
+    std::fs::create_dir_all(&kv).unwrap();
+    (
+        env("KVROUTER_DYNAMO_VENV"),
+        env("KVROUTER_DYNAMO_MODEL"),
+        root,
+        kv,
+    )
+}
+
 /// A base port with its successor free too (a worker's two dp ranks).
 fn free_pair() -> u16 {
     loop {
@@ -183,23 +198,25 @@ fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn workers(addr: &str) -> Vec<(u64, u64, u64)> {
+/// The rows of `/v1/workers`.
+fn worker_rows(addr: &str) -> Vec<Value> {
     let (_, body) = http(addr, "GET", "/v1/workers", "", &[]);
     let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-    v["workers"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|w| {
-                    (
-                        w["worker_id"].as_u64().unwrap(),
-                        w["dp_rank"].as_u64().unwrap(),
-                        w["cached_blocks"].as_u64().unwrap(),
-                    )
-                })
-                .collect()
+    v["workers"].as_array().cloned().unwrap_or_default()
+}
+
+/// Each rank's `(worker, rank)` and its cached blocks.
+fn workers(addr: &str) -> Vec<(u64, u64, u64)> {
+    worker_rows(addr)
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().unwrap(),
+                w["dp_rank"].as_u64().unwrap(),
+                w["cached_blocks"].as_u64().unwrap(),
+            )
         })
-        .unwrap_or_default()
+        .collect()
 }
 
 fn overlaps(addr: &str, q: &[u64]) -> HashMap<(u64, u64), u64> {
@@ -306,12 +323,7 @@ impl Tree {
 
 #[test]
 fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
-    let venv = env("KVROUTER_DYNAMO_VENV");
-    let model = env("KVROUTER_DYNAMO_MODEL");
-    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let kv = root.join("kv");
-    std::fs::create_dir_all(&kv).unwrap();
+    let (venv, model, root, kv) = setup("zmq");
     let (e0, e1, r0, r1) = (free_pair(), free_pair(), free_pair(), free_pair());
     let ports = |a: u16, b: u16| format!("{a},{b}");
     let stack = Stack {
@@ -467,12 +479,7 @@ fn kvrouter_on_dynamos_zmq_planes_equals_dynamos_own_index() {
 
 #[test]
 fn kvrouter_follows_dynamos_etcd_discovery() {
-    let venv = env("KVROUTER_DYNAMO_VENV");
-    let model = env("KVROUTER_DYNAMO_MODEL");
-    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-etcd-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let kv = root.join("unused-kv");
-    std::fs::create_dir_all(&kv).unwrap();
+    let (venv, model, root, kv) = setup("etcd");
     let etcd = Etcd::start();
     let url = etcd.url();
     let discovery = [
@@ -549,24 +556,18 @@ fn kvrouter_follows_dynamos_etcd_discovery() {
 
 /// Each rank's last applied event id, from `/v1/workers`.
 fn last_events(addr: &str) -> HashMap<(u64, u64), Option<u64>> {
-    let (_, body) = http(addr, "GET", "/v1/workers", "", &[]);
-    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-    v["workers"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|w| {
-                    (
-                        (
-                            w["worker_id"].as_u64().unwrap(),
-                            w["dp_rank"].as_u64().unwrap(),
-                        ),
-                        w["last_event_id"].as_u64(),
-                    )
-                })
-                .collect()
+    worker_rows(addr)
+        .iter()
+        .map(|w| {
+            (
+                (
+                    w["worker_id"].as_u64().unwrap(),
+                    w["dp_rank"].as_u64().unwrap(),
+                ),
+                w["last_event_id"].as_u64(),
+            )
         })
-        .unwrap_or_default()
+        .collect()
 }
 
 /// A prefix-heavy chat load: 7 long system prompts (`set` keeps two loads apart), 5
@@ -603,12 +604,7 @@ fn usage(body: &str) -> (u64, u64) {
 
 #[test]
 fn kvrouter_in_front_of_dynamos_direct_mode_lands_every_request_where_it_chose() {
-    let venv = env("KVROUTER_DYNAMO_VENV");
-    let model = env("KVROUTER_DYNAMO_MODEL");
-    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-direct-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let kv = root.join("kv");
-    std::fs::create_dir_all(&kv).unwrap();
+    let (venv, model, root, kv) = setup("direct");
     let model_s = model.to_string_lossy().to_string();
     let stack = Stack {
         venv: &venv,
@@ -724,12 +720,7 @@ fn kvrouter_in_front_of_dynamos_direct_mode_lands_every_request_where_it_chose()
 
 #[test]
 fn kvrouter_indexes_the_mockers_host_tier_as_its_events_say() {
-    let venv = env("KVROUTER_DYNAMO_VENV");
-    let model = env("KVROUTER_DYNAMO_MODEL");
-    let root = std::env::temp_dir().join(format!("kvrouter-dynamo-host-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let kv = root.join("kv");
-    std::fs::create_dir_all(&kv).unwrap();
+    let (venv, model, root, kv) = setup("host");
     let stack = Stack {
         venv: &venv,
         kv: &kv,
