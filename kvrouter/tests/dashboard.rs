@@ -3,10 +3,8 @@
 //! renamed metric cannot leave a panel silently empty.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 
-use kvrouter_tests::{free_port, http, repo_root};
+use kvrouter_tests::{free_port, http, repo_root, serve_binary};
 use serde_json::Value;
 
 #[test]
@@ -48,36 +46,23 @@ fn every_metric_the_dashboard_queries_is_exported() {
 
     let card = kvrouter_tests::openai::tiny_card();
     let openai = format!("127.0.0.1:{}", free_port());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
-        .args([
-            "serve",
-            "--nats",
-            "off",
-            "--listen",
-            "127.0.0.1:0",
+    let model = format!("tiny={}", card.display());
+    let served = serve_binary(
+        env!("CARGO_BIN_EXE_kvrouter"),
+        &[
             "--workers",
             "1",
-        ])
-        .args([
             "--openai-listen",
             &openai,
             "--worker-url",
             "1=http://127.0.0.1:9",
-        ])
-        .arg("--model")
-        .arg(format!("tiny={}", card.display()))
-        .env("KVROUTER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let api = line.trim().rsplit("http://").next().unwrap().to_owned();
+            "--model",
+            &model,
+        ],
+    );
+    let api = served.api.clone();
     let (status, metrics) = http(&api, "GET", "/metrics", "", &[]);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(served);
     assert_eq!(status, 200);
     let exported: BTreeSet<&str> = metrics
         .lines()

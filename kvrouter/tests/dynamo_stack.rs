@@ -23,7 +23,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrouter_tests::etcd::Etcd;
-use kvrouter_tests::{free_port, http, http_response};
+use kvrouter_tests::{Served, free_port, http, http_response, serve_binary};
 use serde_json::{Value, json};
 
 struct Proc(Child);
@@ -165,29 +165,13 @@ fn free_pair() -> u16 {
     }
 }
 
-fn serve(args: &[&str]) -> (Proc, String, Instant) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
-        .args([
-            "serve",
-            "--nats",
-            "off",
-            "--listen",
-            "127.0.0.1:0",
-            "--block-size",
-            "16",
-        ])
-        .args(args)
-        .env("KVROUTER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("kvrouter serve starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+fn serve(args: &[&str]) -> (Served, String, Instant) {
+    let mut all = vec!["--block-size", "16"];
+    all.extend(args);
+    let served = serve_binary(env!("CARGO_BIN_EXE_kvrouter"), &all);
     let started = Instant::now();
-    let addr = line.trim().rsplit("http://").next().unwrap().to_owned();
-    (Proc(child), addr, started)
+    let addr = served.api.clone();
+    (served, addr, started)
 }
 
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {

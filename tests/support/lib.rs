@@ -291,3 +291,43 @@ pub fn http_response(
         body,
     }
 }
+
+/// A `kvrouter serve` process of a test, killed when dropped.
+#[derive(Debug)]
+pub struct Served {
+    child: std::process::Child,
+    /// Its routing API's address, from the banner.
+    pub api: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `BIN serve --nats off --listen 127.0.0.1:0 ARGS...` (BIN: the binary under test,
+/// `env!("CARGO_BIN_EXE_kvrouter")`) with warnings logged, and returns once its banner
+/// names the API's address.
+pub fn serve_binary(bin: &str, args: &[&str]) -> Served {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(bin)
+        .args(["serve", "--nats", "off", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .env("KVROUTER_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvrouter serve starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the banner");
+    let api = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .expect("an address")
+        .to_owned();
+    Served { child, api }
+}

@@ -7,6 +7,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -53,7 +54,7 @@ pub(crate) struct Front {
     pub(super) state: Rc<RefCell<dyn Routing>>,
     pub(super) cfg: ProxyConfig,
     /// Served name, card (shared by every name of one directory), LoRA adapter.
-    models: Vec<(String, std::sync::Arc<ModelCard>, Option<String>)>,
+    models: Vec<(String, Arc<ModelCard>, Option<String>)>,
     pub(super) tokenizers: super::tokenize::Tokenizers,
     targets: HashMap<u64, Target>,
     dynamo: Option<Target>,
@@ -123,10 +124,10 @@ impl Front {
         stats: Rc<ProxyStats>,
     ) -> Result<Self, ProxyError> {
         let mut models = Vec::new();
-        let mut cards: HashMap<std::path::PathBuf, std::sync::Arc<ModelCard>> = HashMap::new();
+        let mut cards: HashMap<std::path::PathBuf, Arc<ModelCard>> = HashMap::new();
         for m in &cfg.models {
             let card = match cards.get(&m.dir) {
-                Some(c) => std::sync::Arc::clone(c),
+                Some(c) => Arc::clone(c),
                 None => {
                     let card = ModelCard::load(&m.dir).map_err(|source| ProxyError::Model {
                         name: m.name.clone(),
@@ -136,8 +137,8 @@ impl Front {
                     if !card.has_chat_template() {
                         tracing::warn!(model = %m.name, "no chat template: /v1/chat/completions answers 400 for it");
                     }
-                    let card = std::sync::Arc::new(card);
-                    cards.insert(m.dir.clone(), std::sync::Arc::clone(&card));
+                    let card = Arc::new(card);
+                    cards.insert(m.dir.clone(), Arc::clone(&card));
                     card
                 }
             };
@@ -214,7 +215,7 @@ impl Front {
     }
 
     /// The card of a served model name, and the LoRA adapter it names.
-    pub(super) fn card(&self, name: &str) -> Option<(&std::sync::Arc<ModelCard>, Option<&str>)> {
+    pub(super) fn card(&self, name: &str) -> Option<(&Arc<ModelCard>, Option<&str>)> {
         self.models
             .iter()
             .find(|(n, _, _)| n == name)
