@@ -92,12 +92,15 @@ impl<I: Index> Lookup for I {
     }
 }
 
-/// How a worker is picked among the candidates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How a worker is picked among the candidates. The names (`kv`, `round-robin`,
+/// `random`, `least-loaded`) are those of Dynamo's `--router-mode` where it has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum Selection {
     /// The cost function ([`crate::policy`]) with the decider's weights.
     #[default]
+    #[serde(rename = "kv")]
     Cost,
     /// Request `i` to candidate `i mod n` (cache-blind).
     RoundRobin,
@@ -105,6 +108,22 @@ pub enum Selection {
     Random,
     /// Fewest active requests as the slot manager sees them, ties at random (cache-blind).
     LeastLoaded,
+}
+
+impl std::str::FromStr for Selection {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "kv" => Ok(Selection::Cost),
+            "round-robin" => Ok(Selection::RoundRobin),
+            "random" => Ok(Selection::Random),
+            "least-loaded" => Ok(Selection::LeastLoaded),
+            other => Err(format!(
+                "unknown router mode {other:?} (kv, round-robin, random, least-loaded)"
+            )),
+        }
+    }
 }
 
 /// What one client may make the decider hold. Each bounds memory or work a request can

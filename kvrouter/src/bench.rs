@@ -81,7 +81,13 @@ pub(crate) struct BenchArgs {
     /// another). Scale time with --speed and --engine-speedup together.
     #[arg(long)]
     nats: Option<String>,
-    /// With --nats: give up when no engine reports progress for this many seconds.
+    /// With --nats: send every request through the router's OpenAI front
+    /// (`/v1/completions`, streamed) to engines that speak the OpenAI API, so that the
+    /// comparison covers the whole request path; every policy is decided by the router.
+    #[arg(long, requires = "nats")]
+    openai: bool,
+    /// With --nats: give up when no engine reports progress for this many seconds
+    /// (--openai: when an answer stays silent this long).
     #[arg(long, default_value_t = 60)]
     stall_timeout_secs: u64,
     /// Policies simulated at once (default: available cores).
@@ -217,6 +223,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 exe: std::env::current_exe().context("locating the kvrouter executable")?,
                 sim: cfg,
                 stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
+                openai: args.openai,
             };
             vec![run_networked_all(&trace, &policies, &net, &ideals)?]
         }
@@ -344,6 +351,9 @@ pub(crate) struct EngineArgs {
     namespace: String,
     #[arg(long)]
     index: usize,
+    /// Take jobs as OpenAI completions on a loopback port (reported when ready).
+    #[arg(long)]
+    openai: bool,
     #[command(flatten)]
     engine: EngineFlags,
 }
@@ -354,6 +364,7 @@ pub(crate) fn run_engine(args: EngineArgs) -> anyhow::Result<ExitCode> {
         nats: args.nats,
         namespace: args.namespace,
         index: args.index,
+        openai: args.openai,
     })?;
     Ok(ExitCode::SUCCESS)
 }

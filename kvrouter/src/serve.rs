@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvrouter_core::codec::Subjects;
-use kvrouter_core::decision::Limits;
+use kvrouter_core::decision::{Limits, Selection};
 use kvrouter_core::policy::{CostConfig, Formula, Herd};
 use kvrouter_core::prefill::Prior;
 use kvrouter_core::worker::WorkerDp;
@@ -228,6 +228,10 @@ pub(crate) struct ServeArgs {
     /// Herd resistance: power of two choices among the k cheapest (0: off).
     #[arg(long, env = "KVROUTER_HERD_K")]
     herd_k: Option<usize>,
+    /// How a worker is picked: `kv` (the cost function, default), or a cache-blind
+    /// baseline: `round-robin`, `random`, `least-loaded` (Dynamo's `--router-mode`).
+    #[arg(long, env = "KVROUTER_ROUTER_MODE")]
+    router_mode: Option<Selection>,
     /// Busy threshold: most active decode blocks per worker.
     #[arg(long, env = "KVROUTER_MAX_ACTIVE_DECODE_BLOCKS")]
     max_active_decode_blocks: Option<u64>,
@@ -350,6 +354,7 @@ pub(crate) struct ServeConfig {
     /// (TOML only).
     prefill_prior: Prior,
     herd_k: usize,
+    router_mode: Selection,
     max_active_decode_blocks: Option<u64>,
     max_active_prefill_tokens: Option<u64>,
     openai_listen: Option<SocketAddr>,
@@ -427,6 +432,7 @@ impl Default for ServeConfig {
             decode_delay_weight: CostConfig::time().decode_delay_weight,
             prefill_prior: cost.prior,
             herd_k: 0,
+            router_mode: Selection::Cost,
             max_active_decode_blocks: None,
             max_active_prefill_tokens: None,
             openai_listen: None,
@@ -614,6 +620,7 @@ impl ServeConfig {
             saturation_weight,
             decode_delay_weight,
             herd_k,
+            router_mode,
             models,
             loras,
             worker_urls,
@@ -905,6 +912,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         block_size: cfg.block_size,
         cost,
+        selection: cfg.router_mode,
         kv_events: cfg.kv_events,
         replica_sync: cfg.replica_sync,
         router_id: cfg.router_id,
@@ -1202,5 +1210,28 @@ mod tests {
             (Formula::Time, false, 2.0)
         );
         assert!(Cli::try_parse_from(["x", "--cost-formula", "tokens"]).is_err());
+    }
+
+    #[test]
+    fn the_router_mode_from_toml_and_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        assert_eq!(ServeConfig::default().router_mode, Selection::Cost);
+        let cfg: ServeConfig = toml::from_str("router_mode = \"round-robin\"").unwrap();
+        assert_eq!(cfg.router_mode, Selection::RoundRobin);
+        assert!(toml::from_str::<ServeConfig>("router_mode = \"fastest\"").is_err());
+        for (name, mode) in [
+            ("kv", Selection::Cost),
+            ("random", Selection::Random),
+            ("least-loaded", Selection::LeastLoaded),
+        ] {
+            let cli = Cli::try_parse_from(["x", "--router-mode", name]).unwrap();
+            assert_eq!(ServeConfig::resolve(&cli.serve).unwrap().router_mode, mode);
+        }
+        assert!(Cli::try_parse_from(["x", "--router-mode", "kv-aware"]).is_err());
     }
 }

@@ -168,10 +168,11 @@ fn processes_with(needle: &str) -> usize {
         .count()
 }
 
-#[test]
-fn bench_over_nats_runs_engine_processes_and_the_real_router() {
+/// Runs the networked bench (`extra` flags added) on 3 conversations of 4 turns over 2
+/// workers with kv-aware and round-robin, and checks what both modes promise.
+fn networked_bench(tag: &str, extra: &[&str]) -> Value {
     let nats = kvrouter_tests::NatsServer::start();
-    let dir = TempDir::new("nats");
+    let dir = TempDir::new(tag);
     // 3 conversations of 4 turns; each turn extends the previous prompt by 2 blocks.
     let mut lines = String::new();
     for turn in 0..4u64 {
@@ -191,7 +192,7 @@ fn bench_over_nats_runs_engine_processes_and_the_real_router() {
     std::fs::write(&trace, lines).unwrap();
     let json = dir.path().join("net.json");
     let url = nats.url();
-    kvrouter_ok(&[
+    let mut args = vec![
         "bench",
         "--nats",
         &url,
@@ -207,7 +208,9 @@ fn bench_over_nats_runs_engine_processes_and_the_real_router() {
         json.to_str().unwrap(),
         "--stall-timeout-secs",
         "20",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    kvrouter_ok(&args);
     let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     for p in ["kv-aware", "round-robin"] {
         assert_eq!(v[p]["completed"].as_u64(), Some(12), "{p}: {v}");
@@ -237,6 +240,32 @@ fn bench_over_nats_runs_engine_processes_and_the_real_router() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+    v
+}
+
+#[test]
+fn bench_over_nats_runs_engine_processes_and_the_real_router() {
+    networked_bench("nats", &[]);
+}
+
+/// The OpenAI mode: every request goes through the router's front as a streamed
+/// completion to engines speaking the OpenAI API (our mock engine, `bench-engine
+/// --openai`); round-robin is the router's `--router-mode`, and the hits are what the
+/// engines report in `usage.prompt_tokens_details.cached_tokens`.
+#[test]
+fn bench_over_the_openai_front_covers_the_whole_request_path() {
+    let v = networked_bench("openai", &["--openai"]);
+    // Round-robin over 2 workers alternates exactly: 6 requests each.
+    assert_eq!(
+        v["round-robin"]["requests_per_worker"],
+        serde_json::json!([6, 6]),
+        "{v}"
+    );
+    // Every request streamed its 8 tokens: an inter-token gap was measured.
+    assert!(
+        v["kv-aware"]["itl_ms"]["mean"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
 }
 
 #[test]

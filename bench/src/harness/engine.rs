@@ -131,6 +131,8 @@ pub struct EngineRequest {
     /// Full prompt blocks: (local, sequence) hashes.
     pub blocks: Vec<(LocalBlockHash, SequenceBlockHash)>,
     cached_blocks: usize,
+    /// Blocks found cached (device or host) when it was admitted.
+    hit_blocks: usize,
     prefilled: u32,
     generated: u32,
     admitted: bool,
@@ -150,6 +152,7 @@ impl EngineRequest {
             output_tokens,
             blocks,
             cached_blocks: 0,
+            hit_blocks: 0,
             prefilled: 0,
             generated: 0,
             admitted: false,
@@ -162,6 +165,8 @@ impl EngineRequest {
 pub struct StepOutcome {
     /// Requests that produced their first token.
     pub first_tokens: Vec<usize>,
+    /// Prompt blocks each of `first_tokens` found cached (device or host memory), in order.
+    pub first_cached: Vec<usize>,
     /// Requests that produced a later token.
     pub tokens: Vec<usize>,
     /// Requests that finished (after their last token).
@@ -421,6 +426,7 @@ impl Engine {
             self.host_hit_blocks += onloaded as u64;
             self.prompt_blocks += r.blocks.len() as u64;
             r.cached_blocks = hit + onloaded;
+            r.hit_blocks = hit + onloaded;
             r.prefilled = ((hit + onloaded) as u32 * self.cfg.block_size).min(r.input_tokens);
             r.admitted = true;
             self.running.push(r);
@@ -591,6 +597,7 @@ impl Engine {
             let r = &mut self.running[i];
             r.generated = 1;
             out.first_tokens.push(r.id);
+            out.first_cached.push(r.hit_blocks);
         }
         for &i in &decoding {
             let r = &mut self.running[i];

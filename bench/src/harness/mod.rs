@@ -11,6 +11,7 @@
 
 pub mod engine;
 pub mod net;
+pub mod openai;
 pub mod report;
 pub mod sim;
 pub mod trace;

@@ -33,6 +33,7 @@ use kvrouter_io::worker::{KvPublisher, PublisherOptions};
 use serde::{Deserialize, Serialize};
 
 use super::engine::{Engine, EngineConfig, EngineRequest};
+use super::openai::{self, HttpJob, Tok};
 use super::report::{PolicyReport, RequestOutcome};
 use super::sim::{Ideals, Policy, SimConfig};
 use super::trace::TraceRequest;
@@ -70,6 +71,9 @@ pub struct Progress {
     /// Prompt blocks so far.
     #[serde(default)]
     pub prompt: u64,
+    /// With `ready`, in the OpenAI mode: the port of the engine's OpenAI API.
+    #[serde(default)]
+    pub port: Option<u16>,
 }
 
 fn job_subject(ns: &str, w: usize) -> String {
@@ -98,6 +102,8 @@ pub struct EngineProcess {
     pub index: usize,
     /// Engine model.
     pub engine: EngineConfig,
+    /// Take jobs as OpenAI completions over HTTP ([`super::openai`]) instead of over NATS.
+    pub openai: bool,
 }
 
 /// Runs one engine until its stdin closes (or the NATS connection is lost for good).
@@ -158,9 +164,17 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
     )
     .await?;
     let progress = progress_subject(&p.namespace);
+    let (http_tx, http) = flume::unbounded::<HttpJob>();
+    let port = if p.openai {
+        Some(openai::serve_engine(p.engine.block_size, http_tx)?)
+    } else {
+        drop(http_tx);
+        None
+    };
     let ready = Progress {
         w: p.index,
         ready: true,
+        port,
         ..Progress::default()
     };
     client
@@ -179,16 +193,35 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
                 tracing::warn!(error = %e, bad_jobs, "bench engine: job dropped");
             }
         };
+    // The OpenAI mode's connections, by request.
+    let mut conns: HashMap<usize, flume::Sender<Tok>> = HashMap::new();
     loop {
-        while let Some(m) = jobs.try_next() {
-            submit(&mut engine, &m.payload);
-        }
-        if !engine.busy() {
-            match jobs.next().await {
-                Some(m) => submit(&mut engine, &m.payload),
-                None => return Ok(()),
+        if p.openai {
+            let mut take = |j: HttpJob, engine: &mut Engine| {
+                conns.insert(j.request.id, j.tokens);
+                engine.submit(j.request);
+            };
+            while let Ok(j) = http.try_recv() {
+                take(j, &mut engine);
             }
-            continue;
+            if !engine.busy() {
+                match http.recv_async().await {
+                    Ok(j) => take(j, &mut engine),
+                    Err(_) => return Ok(()),
+                }
+                continue;
+            }
+        } else {
+            while let Some(m) = jobs.try_next() {
+                submit(&mut engine, &m.payload);
+            }
+            if !engine.busy() {
+                match jobs.next().await {
+                    Some(m) => submit(&mut engine, &m.payload),
+                    None => return Ok(()),
+                }
+                continue;
+            }
         }
         let Some((ms, out)) = engine.step() else {
             continue;
@@ -198,6 +231,25 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
             publisher
                 .publish(e.event.dp_rank, vec![e.event.data])
                 .await?;
+        }
+        if p.openai {
+            // A connection that is gone drops its receiver: its sends fail, harmlessly.
+            for (id, &cached_blocks) in out.first_tokens.iter().zip(&out.first_cached) {
+                if let Some(tx) = conns.get(id) {
+                    let _ = tx.send(Tok::First { cached_blocks });
+                }
+            }
+            for id in &out.tokens {
+                if let Some(tx) = conns.get(id) {
+                    let _ = tx.send(Tok::Token);
+                }
+            }
+            for id in &out.finished {
+                if let Some(tx) = conns.remove(id) {
+                    let _ = tx.send(Tok::Done);
+                }
+            }
+            continue;
         }
         let now = Instant::now();
         let mut report = Progress {
@@ -240,8 +292,11 @@ pub struct NetConfig {
     pub exe: PathBuf,
     /// Workers, speed, seed, engine model and cost weights.
     pub sim: SimConfig,
-    /// Give up when no engine reports anything for this long while requests are pending.
+    /// Give up when no engine reports anything for this long while requests are pending
+    /// (in the OpenAI mode: when an answer is silent this long).
     pub stall_timeout: Duration,
+    /// Send every request through the router's OpenAI front ([`super::openai`]).
+    pub openai: bool,
 }
 
 /// Kills a child process when dropped.
@@ -340,9 +395,15 @@ fn kvrouter(cfg: &NetConfig) -> Command {
     c
 }
 
-fn spawn_router(cfg: &NetConfig, ns: &str, policy: Policy) -> anyhow::Result<(Reaped, RouterApi)> {
+fn spawn_router(
+    cfg: &NetConfig,
+    ns: &str,
+    policy: Policy,
+    extra: &[String],
+) -> anyhow::Result<(Reaped, RouterApi)> {
     let mut child = kvrouter(cfg)
         .args(router_args(cfg, ns, policy))
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -395,6 +456,7 @@ fn spawn_engine(cfg: &NetConfig, ns: &str, index: usize) -> anyhow::Result<Reape
             "--engine-speedup",
             &e.speedup.to_string(),
         ])
+        .args(cfg.openai.then_some("--openai"))
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -511,6 +573,7 @@ pub fn run_networked(
         engines.push(spawn_engine(cfg, &ns, i)?);
     }
     let mut ready = vec![false; n];
+    let mut ports = vec![None; n];
     let deadline = Instant::now() + Duration::from_secs(30);
     while ready.iter().any(|r| !r) {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -523,7 +586,18 @@ pub fn run_networked(
             && p.w < n
         {
             ready[p.w] = true;
+            ports[p.w] = p.port;
         }
+    }
+    if cfg.openai {
+        let ports = ports
+            .into_iter()
+            .collect::<Option<Vec<u16>>>()
+            .context("an engine did not report its OpenAI port")?;
+        let out = run_openai(trace, policy, cfg, ideals, &ns, &ports, progress);
+        drop(engines);
+        drop(nats);
+        return out;
     }
     let uses_router = matches!(
         policy,
@@ -534,7 +608,7 @@ pub fn run_networked(
             | Policy::Approximate
     );
     let mut router = if uses_router {
-        Some(spawn_router(cfg, &ns, policy)?)
+        Some(spawn_router(cfg, &ns, policy, &[])?)
     } else {
         None
     };
@@ -673,6 +747,153 @@ pub fn run_networked(
     ))
 }
 
+/// The router's flags of the OpenAI mode: its front on `port`, the bench's model card, the
+/// engines' URLs, deadlines no queue in a trace reaches, and the cache-blind policies as
+/// router modes.
+fn openai_args(policy: Policy, card: &std::path::Path, port: u16, engines: &[u16]) -> Vec<String> {
+    let mut a = vec![
+        "--openai-listen".to_owned(),
+        format!("127.0.0.1:{port}"),
+        "--model".to_owned(),
+        format!("{}={}", openai::MODEL, card.display()),
+        "--worker-url".to_owned(),
+        engines
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{}=http://127.0.0.1:{p}", i + 1))
+            .collect::<Vec<_>>()
+            .join(";"),
+        "--openai-max-body-bytes".to_owned(),
+        (256usize << 20).to_string(),
+        "--upstream-first-byte-timeout-secs".to_owned(),
+        "86400".to_owned(),
+        "--upstream-idle-timeout-secs".to_owned(),
+        "86400".to_owned(),
+        "--stale-after-secs".to_owned(),
+        "86400".to_owned(),
+    ];
+    let mode = match policy {
+        Policy::RoundRobin => Some("round-robin"),
+        Policy::Random => Some("random"),
+        Policy::LeastLoaded => Some("least-loaded"),
+        _ => None,
+    };
+    if let Some(m) = mode {
+        a.extend(["--router-mode".to_owned(), m.to_owned()]);
+    }
+    a
+}
+
+/// A free loopback port (bound, then released for the router to take).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The OpenAI mode of [`run_networked`], once the engines are up on `ports`: every policy
+/// is decided by the router's front, every request sent to it as a streaming completion.
+fn run_openai(
+    trace: &[TraceRequest],
+    policy: Policy,
+    cfg: &NetConfig,
+    ideals: &Ideals,
+    ns: &str,
+    ports: &[u16],
+    mut progress: impl FnMut(usize),
+) -> anyhow::Result<PolicyReport> {
+    let n = cfg.sim.workers;
+    let card = std::env::temp_dir().join(format!("kvbench-card-{ns}"));
+    openai::write_card(&card).context("writing the bench's model card")?;
+    let port = free_port()?;
+    // Removed when the run ends, whichever way.
+    struct Card(std::path::PathBuf);
+    impl Drop for Card {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let card = Card(card);
+    let router = spawn_router(cfg, ns, policy, &openai_args(policy, &card.0, port, ports))?;
+    let addr = format!("127.0.0.1:{port}");
+    let up = Instant::now();
+    while TcpStream::connect(&addr).is_err() {
+        if up.elapsed() > Duration::from_secs(20) {
+            bail!("the router's OpenAI front did not listen on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let client = openai::Client::new(addr, cfg.stall_timeout);
+    let block = u64::from(cfg.sim.engine.block_size);
+    let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
+    let (mut hit, mut prompt) = (0u64, 0u64);
+    let (mut completed, mut next) = (0usize, 0usize);
+    let t0 = trace.first().map_or(0, |r| r.timestamp) as f64;
+    let arrival = |i: usize| (trace[i].timestamp as f64 - t0) / cfg.sim.speed;
+    let (tx, rx) = flume::unbounded::<(usize, anyhow::Result<openai::Answer>)>();
+    let start = Instant::now();
+    let now_ms = || start.elapsed().as_secs_f64() * 1000.0;
+    while completed < trace.len() {
+        let now = now_ms();
+        if next < trace.len() && arrival(next) <= now {
+            let (i, r) = (next, trace[next].clone());
+            next += 1;
+            let (client, tx) = (client.clone(), tx.clone());
+            std::thread::Builder::new()
+                .name("kvbench-client".into())
+                .spawn(move || {
+                    let answer = client.complete(i, &r.tokens(), r.output_length.max(1), start);
+                    let _ = tx.send((i, answer));
+                })
+                .context("starting a client thread")?;
+            continue;
+        }
+        let wait = if next < trace.len() {
+            (arrival(next) - now).max(0.0)
+        } else {
+            250.0
+        };
+        match rx.recv_timeout(Duration::from_secs_f64(wait / 1000.0)) {
+            Ok((i, answer)) => {
+                let a =
+                    answer.with_context(|| format!("{} over the OpenAI front", policy.name()))?;
+                anyhow::ensure!(
+                    a.worker < n,
+                    "the front chose unknown worker {}",
+                    a.worker + 1
+                );
+                recs[i] = Some(RequestOutcome {
+                    worker: a.worker,
+                    arrival: arrival(i),
+                    first: Some(a.first_ms),
+                    done: Some(a.done_ms),
+                    itl: a.itl_ms,
+                });
+                hit += a.cached_tokens / block;
+                prompt += u64::from(trace[i].input_length) / block;
+                completed += 1;
+                if completed.is_multiple_of(16) {
+                    progress(completed);
+                }
+            }
+            Err(flume::RecvTimeoutError::Timeout) => {}
+            Err(flume::RecvTimeoutError::Disconnected) => bail!("client threads stopped"),
+        }
+    }
+    progress(completed);
+    let span_s = now_ms() / 1000.0;
+    drop(router);
+    let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
+    Ok(PolicyReport::from_outcomes(
+        policy.name(),
+        &outcomes,
+        n,
+        span_s,
+        (hit, prompt),
+        *ideals,
+    ))
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -690,6 +911,7 @@ mod tests {
             exe: PathBuf::from("kvrouter"),
             sim: SimConfig::default(),
             stall_timeout: Duration::from_secs(1),
+            openai: false,
         };
         let args = |p| router_args(&cfg, "ns", p);
         // Dynamo's own weights, whatever the serve defaults are.

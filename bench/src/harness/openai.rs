@@ -1,0 +1,552 @@
+//! The networked harness over the OpenAI front (`kvrouter bench --nats URL --openai`):
+//! every request of the trace goes, as an OpenAI client sends it, to `kvrouter serve
+//! --openai-listen`, which routes it and relays it to a mock engine that speaks the OpenAI
+//! API. The policy comparison then covers the whole request path: the front reads and
+//! hashes the prompt, decides, forwards, sees the first streamed token (prefill done) and
+//! the end of the stream (freed), exactly as in a deployment.
+//!
+//! - **Engines** (`kvrouter bench-engine --openai`): the same mock engine as the NATS mode,
+//!   in wall-clock time, publishing its KV events over NATS; its jobs arrive as
+//!   `POST /v1/completions` with the prompt as token ids (the trace's tokens), `max_tokens`
+//!   as the trace's output length and `stream: true`. Every token is one SSE chunk; the
+//!   last chunk carries `usage` with `prompt_tokens_details.cached_tokens` (the blocks the
+//!   engine found cached), as vLLM reports it. A thread per connection reads requests and
+//!   writes answers; the engine loop hands tokens to them over channels. A client that goes
+//!   away does not cancel the engine's work (the mock has no preemption).
+//! - **The router** serves a model card of its own (a one-word tokenizer: prompts are token
+//!   ids, never text) and every policy, the cache-blind ones too (`--router-mode`).
+//! - **The client**: a thread per request, started at its arrival time, on keep-alive
+//!   connections; TTFT is from sending to the first token chunk, ITL the mean gap between
+//!   token chunks, the worker the one the front names in `x-kvrouter-worker-id`, and the
+//!   hits the engine's `cached_tokens`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvrouter_core::hash::{
+    HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
+};
+use serde::Deserialize;
+
+use super::engine::EngineRequest;
+
+/// The model name the router serves and the client asks for.
+pub const MODEL: &str = "bench";
+
+/// Writes the router's model card into `dir`: a tokenizer that knows one word (prompts
+/// are sent as token ids, so it never encodes anything) and no chat template.
+pub fn write_card(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0}, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string())?;
+    std::fs::write(dir.join("tokenizer_config.json"), "{}")
+}
+
+/// What the engine loop tells a request's connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tok {
+    /// The first token, and the prompt blocks found cached.
+    First {
+        /// Blocks served from the engine's cache.
+        cached_blocks: usize,
+    },
+    /// A later token.
+    Token,
+    /// The last token has been sent.
+    Done,
+}
+
+/// A request for the engine loop, with where its tokens go.
+#[derive(Debug)]
+pub struct HttpJob {
+    /// The request.
+    pub request: EngineRequest,
+    /// Its connection.
+    pub tokens: flume::Sender<Tok>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionBody {
+    prompt: Vec<u32>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Listens on a free loopback port for the engine's OpenAI API; jobs go to `jobs`.
+/// Returns the port.
+pub fn serve_engine(block_size: u32, jobs: flume::Sender<HttpJob>) -> std::io::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    let ids = Arc::new(AtomicUsize::new(0));
+    std::thread::Builder::new()
+        .name("bench-engine-http".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                let (jobs, ids) = (jobs.clone(), Arc::clone(&ids));
+                std::thread::spawn(move || {
+                    if let Err(e) = engine_conn(conn, block_size, &jobs, &ids) {
+                        tracing::debug!(error = %e, "bench engine: connection closed");
+                    }
+                });
+            }
+        })?;
+    Ok(port)
+}
+
+/// One HTTP/1.1 request head and body; `None` at a clean end of the connection.
+fn read_request(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<(String, Vec<u8>)>> {
+    let mut line = String::new();
+    let mut first = String::new();
+    let mut len = 0usize;
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 {
+            return Ok(None);
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            if first.is_empty() {
+                continue;
+            }
+            break;
+        }
+        if first.is_empty() {
+            first = l.to_owned();
+        } else if let Some((k, v)) = l.split_once(':')
+            && k.eq_ignore_ascii_case("content-length")
+        {
+            len = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; len];
+    r.read_exact(&mut body)?;
+    Ok(Some((first, body)))
+}
+
+fn chunk(w: &mut impl Write, s: &str) -> std::io::Result<()> {
+    write!(w, "{:x}\r\n{s}\r\n", s.len())
+}
+
+fn respond(w: &mut impl Write, status: &str, body: &str) -> std::io::Result<()> {
+    write!(
+        w,
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    w.flush()
+}
+
+fn blocks_of(tokens: &[u32], block_size: u32) -> Vec<(LocalBlockHash, SequenceBlockHash)> {
+    let locals = local_block_hashes(tokens, block_size, &HashOptions::default());
+    let seqs = sequence_hashes(&locals);
+    locals.into_iter().zip(seqs).collect()
+}
+
+fn engine_conn(
+    conn: TcpStream,
+    block_size: u32,
+    jobs: &flume::Sender<HttpJob>,
+    ids: &AtomicUsize,
+) -> std::io::Result<()> {
+    conn.set_nodelay(true)?;
+    let mut r = BufReader::new(conn.try_clone()?);
+    let mut w = std::io::BufWriter::new(conn);
+    while let Some((head, body)) = read_request(&mut r)? {
+        if !head.starts_with("POST /v1/completions ") {
+            respond(
+                &mut w,
+                "404 Not Found",
+                r#"{"error":{"message":"only POST /v1/completions","type":"not_found"}}"#,
+            )?;
+            continue;
+        }
+        let req: CompletionBody = match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => {
+                let msg = serde_json::json!({"error": {"message": format!("bad request: {e}"), "type": "invalid_request_error"}});
+                respond(&mut w, "400 Bad Request", &msg.to_string())?;
+                continue;
+            }
+        };
+        let id = ids.fetch_add(1, Ordering::Relaxed);
+        let prompt_tokens = req.prompt.len() as u32;
+        let output = req.max_tokens.unwrap_or(16).max(1);
+        let blocks = blocks_of(&req.prompt, block_size);
+        let (tx, rx) = flume::unbounded();
+        let job = HttpJob {
+            request: EngineRequest::new(id, prompt_tokens, output, blocks),
+            tokens: tx,
+        };
+        if jobs.send(job).is_err() {
+            respond(
+                &mut w,
+                "503 Service Unavailable",
+                r#"{"error":{"message":"engine stopped","type":"unavailable"}}"#,
+            )?;
+            return Ok(());
+        }
+        let usage = |generated: u32, cached: usize| {
+            serde_json::json!({
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated,
+                "prompt_tokens_details": {"cached_tokens": cached as u64 * u64::from(block_size)},
+            })
+        };
+        let cmpl = format!("cmpl-{id}");
+        if req.stream {
+            write!(
+                w,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )?;
+            w.flush()?;
+            let (mut generated, mut cached) = (0u32, 0usize);
+            while let Ok(t) = rx.recv() {
+                match t {
+                    Tok::First { cached_blocks } => cached = cached_blocks,
+                    Tok::Token => {}
+                    Tok::Done => break,
+                }
+                generated += 1;
+                let last = generated >= output;
+                let event = serde_json::json!({
+                    "id": cmpl, "object": "text_completion", "model": MODEL,
+                    "choices": [{"index": 0, "text": " t", "finish_reason": if last { Some("length") } else { None }}],
+                });
+                chunk(&mut w, &format!("data: {event}\n\n"))?;
+                w.flush()?;
+            }
+            if req.stream_options.unwrap_or_default().include_usage {
+                let event = serde_json::json!({
+                    "id": cmpl, "object": "text_completion", "model": MODEL,
+                    "choices": [], "usage": usage(generated, cached),
+                });
+                chunk(&mut w, &format!("data: {event}\n\n"))?;
+            }
+            chunk(&mut w, "data: [DONE]\n\n")?;
+            w.write_all(b"0\r\n\r\n")?;
+            w.flush()?;
+        } else {
+            let (mut generated, mut cached) = (0u32, 0usize);
+            while let Ok(t) = rx.recv() {
+                match t {
+                    Tok::First { cached_blocks } => cached = cached_blocks,
+                    Tok::Token => {}
+                    Tok::Done => break,
+                }
+                generated += 1;
+            }
+            let text = " t".repeat(generated as usize);
+            let answer = serde_json::json!({
+                "id": cmpl, "object": "text_completion", "model": MODEL,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": usage(generated, cached),
+            });
+            respond(&mut w, "200 OK", &answer.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+/// What became of one request sent through the front.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// Trace index.
+    pub index: usize,
+    /// Worker index (worker id − 1) the front chose.
+    pub worker: usize,
+    /// First token, ms since the run's start.
+    pub first_ms: f64,
+    /// Last event, ms since the run's start.
+    pub done_ms: f64,
+    /// Mean gap between token chunks, ms (none with one token).
+    pub itl_ms: Option<f64>,
+    /// Prompt tokens the engine found cached.
+    pub cached_tokens: u64,
+}
+
+/// Keep-alive connections to the front, shared by the request threads.
+#[derive(Debug, Clone)]
+pub struct Client {
+    addr: String,
+    idle: Arc<Mutex<Vec<TcpStream>>>,
+    timeout: Duration,
+}
+
+impl Client {
+    /// A client of the front at `addr`; a read that waits longer than `timeout` fails.
+    pub fn new(addr: String, timeout: Duration) -> Self {
+        Self {
+            addr,
+            idle: Arc::new(Mutex::new(Vec::new())),
+            timeout,
+        }
+    }
+
+    /// A pooled connection (`true`) or a new one.
+    fn connection(&self, pooled: bool) -> anyhow::Result<(TcpStream, bool)> {
+        if pooled && let Some(c) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok((c, true));
+        }
+        let c = TcpStream::connect(&self.addr)
+            .with_context(|| format!("connecting to the front at {}", self.addr))?;
+        c.set_nodelay(true)?;
+        c.set_read_timeout(Some(self.timeout))?;
+        Ok((c, false))
+    }
+
+    /// Sends the request on a pooled connection, or on a new one when the pooled one turns
+    /// out to be closed (the front closes idle connections) before any answer byte.
+    fn send(&self, head: &[u8], body: &[u8]) -> anyhow::Result<(TcpStream, Vec<u8>)> {
+        let (mut conn, pooled) = self.connection(true)?;
+        let sent = conn
+            .write_all(head)
+            .and_then(|()| conn.write_all(body))
+            .and_then(|()| {
+                let mut first = vec![0u8; 16 << 10];
+                let n = conn.read(&mut first)?;
+                first.truncate(n);
+                Ok(first)
+            });
+        match sent {
+            Ok(first) if !first.is_empty() => Ok((conn, first)),
+            Ok(_) | Err(_) if pooled => {
+                let (mut conn, _) = self.connection(false)?;
+                conn.write_all(head)?;
+                conn.write_all(body)?;
+                Ok((conn, Vec::new()))
+            }
+            Ok(_) => bail!("the front closed a new connection without answering"),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Sends one streaming completion of `tokens` asking for `max_tokens`, and reads its
+    /// answer; `start` is the run's time origin.
+    pub fn complete(
+        &self,
+        index: usize,
+        tokens: &[u32],
+        max_tokens: u32,
+        start: Instant,
+    ) -> anyhow::Result<Answer> {
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": MODEL,
+            "prompt": tokens,
+            "max_tokens": max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        }))?;
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let (mut conn, first) = self.send(head.as_bytes(), &body)?;
+        let mut stream = SseReader::new(&mut conn);
+        stream.buf = first;
+        let status = stream.head().with_context(|| format!("request {index}"))?;
+        if status.code != 200 {
+            let text = stream.body_text()?;
+            bail!("request {index}: HTTP {}: {text}", status.code);
+        }
+        let worker = status
+            .worker
+            .and_then(|w| (w as usize).checked_sub(1))
+            .with_context(|| format!("request {index}: no x-kvrouter-worker-id"))?;
+        let (mut first, mut last, mut n, mut cached) = (None, 0.0, 0u64, 0u64);
+        while let Some(event) = stream.next_event()? {
+            let now = start.elapsed().as_secs_f64() * 1000.0;
+            if event == "[DONE]" {
+                last = if n == 0 { now } else { last };
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(&event)
+                .with_context(|| format!("request {index}: a malformed event {event:?}"))?;
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                cached = u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
+            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                first.get_or_insert(now);
+                last = now;
+                n += 1;
+            }
+        }
+        self.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(conn);
+        let first_ms = first.with_context(|| format!("request {index}: no token"))?;
+        Ok(Answer {
+            index,
+            worker,
+            first_ms,
+            done_ms: last,
+            itl_ms: (n > 1).then(|| (last - first_ms) / (n - 1) as f64),
+            cached_tokens: cached,
+        })
+    }
+}
+
+/// A response's status and the worker the front chose.
+struct Status {
+    code: u16,
+    worker: Option<u64>,
+}
+
+/// Reads one HTTP/1.1 response: its head, then its body's SSE events (chunked, or by
+/// content length).
+struct SseReader<'a> {
+    conn: &'a mut TcpStream,
+    buf: Vec<u8>,
+    /// Decoded body bytes not yet split into events.
+    body: Vec<u8>,
+    /// `Some(n)`: a content-length body with n bytes left; `None`: chunked.
+    left: Option<usize>,
+    ended: bool,
+}
+
+impl<'a> SseReader<'a> {
+    fn new(conn: &'a mut TcpStream) -> Self {
+        Self {
+            conn,
+            buf: Vec::new(),
+            body: Vec::new(),
+            left: None,
+            ended: false,
+        }
+    }
+
+    fn fill(&mut self) -> anyhow::Result<()> {
+        let mut tmp = [0u8; 16 << 10];
+        let n = self.conn.read(&mut tmp).context("reading the answer")?;
+        if n == 0 {
+            bail!("the front closed the connection mid-answer");
+        }
+        self.buf.extend_from_slice(&tmp[..n]);
+        Ok(())
+    }
+
+    fn head(&mut self) -> anyhow::Result<Status> {
+        let end = loop {
+            if let Some(p) = find(&self.buf, b"\r\n\r\n") {
+                break p;
+            }
+            self.fill()?;
+        };
+        let head = String::from_utf8_lossy(&self.buf[..end]).into_owned();
+        self.buf.drain(..end + 4);
+        let mut lines = head.split("\r\n");
+        let code = lines
+            .next()
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|c| c.parse().ok())
+            .context("a malformed status line")?;
+        let (mut worker, mut chunked, mut len) = (None, false, 0usize);
+        for l in lines {
+            let Some((k, v)) = l.split_once(':') else {
+                continue;
+            };
+            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
+            match k.as_str() {
+                "x-kvrouter-worker-id" => worker = v.parse().ok(),
+                "transfer-encoding" => chunked = v.eq_ignore_ascii_case("chunked"),
+                "content-length" => len = v.parse().unwrap_or(0),
+                _ => {}
+            }
+        }
+        self.left = (!chunked).then_some(len);
+        Ok(Status { code, worker })
+    }
+
+    /// Moves decoded body bytes from `buf` to `body`; `false` when more must be read.
+    fn decode(&mut self) -> anyhow::Result<bool> {
+        match &mut self.left {
+            Some(left) => {
+                let take = (*left).min(self.buf.len());
+                self.body.extend(self.buf.drain(..take));
+                *left -= take;
+                self.ended = *left == 0;
+                Ok(take > 0 || self.ended)
+            }
+            None => {
+                let Some(eol) = find(&self.buf, b"\r\n") else {
+                    return Ok(false);
+                };
+                let size_text = String::from_utf8_lossy(&self.buf[..eol]);
+                let size =
+                    usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                        .with_context(|| format!("a malformed chunk size {size_text:?}"))?;
+                if self.buf.len() < eol + 2 + size + 2 {
+                    return Ok(false);
+                }
+                self.body
+                    .extend_from_slice(&self.buf[eol + 2..eol + 2 + size]);
+                self.buf.drain(..eol + 2 + size + 2);
+                self.ended = size == 0;
+                Ok(true)
+            }
+        }
+    }
+
+    /// The next `data:` payload; `None` at the body's end.
+    fn next_event(&mut self) -> anyhow::Result<Option<String>> {
+        loop {
+            if let Some(p) = find(&self.body, b"\n\n") {
+                let event: Vec<u8> = self.body.drain(..p + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                if let Some(data) = text.trim().strip_prefix("data:") {
+                    return Ok(Some(data.trim().to_owned()));
+                }
+                continue;
+            }
+            if self.ended {
+                return Ok(None);
+            }
+            if !self.decode()? {
+                self.fill()?;
+            }
+        }
+    }
+
+    /// The whole body as text (an error answer).
+    fn body_text(&mut self) -> anyhow::Result<String> {
+        while !self.ended {
+            if !self.decode()? {
+                self.fill()?;
+            }
+        }
+        Ok(String::from_utf8_lossy(&self.body).into_owned())
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
