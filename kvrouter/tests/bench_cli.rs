@@ -103,7 +103,17 @@ fn bench_writes_the_contracted_json_and_plot() {
         assert_eq!(per_worker.len(), 4);
         assert_eq!(per_worker.iter().sum::<u64>(), 120);
         assert_eq!(r["completed"].as_u64(), Some(120));
+        // The TTFT floor is under every policy's TTFT, and not trivially so.
+        for k in ["mean", "p99"] {
+            let floor = r["ttft_floor_ms"][k].as_f64().unwrap();
+            let ttft = r["ttft_ms"][k].as_f64().unwrap();
+            assert!(
+                floor > 0.0 && floor <= ttft,
+                "{name} {k}: floor {floor}, TTFT {ttft}"
+            );
+        }
     }
+    assert!(stdout.contains("TTFT floor"), "{stdout}");
     // Round-robin splits 120 requests evenly over 4 workers.
     assert_eq!(
         obj["round-robin"]["requests_per_worker"],

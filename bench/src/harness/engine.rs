@@ -91,6 +91,26 @@ impl EngineConfig {
     }
 }
 
+impl EngineConfig {
+    /// A lower bound of the TTFT of a request that must prefill `tokens` tokens, ms: what
+    /// it would take alone on an idle engine, in the best chunking. `k` steps cost
+    /// `k·(prefill_c + decode_base) + prefill_b·n + prefill_a·n²/k` at best (equal chunks;
+    /// the KV term, ≥ 0, left out), minimised over real `k ≥ ⌈n / max_batch_tokens⌉`,
+    /// which no integer chunking nor any queue can beat.
+    pub fn ttft_floor_ms(&self, tokens: u32) -> f64 {
+        let n = f64::from(tokens);
+        let fixed = self.prefill_c + self.decode_base;
+        if tokens == 0 {
+            return self.decode_base / self.speedup;
+        }
+        let fewest = (n / f64::from(self.max_batch_tokens.max(1)))
+            .ceil()
+            .max(1.0);
+        let k = (n * (self.prefill_a / fixed).sqrt()).max(fewest);
+        (k * fixed + self.prefill_b * n + self.prefill_a * n * n / k) / self.speedup
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Block {
     parent: Option<u64>,
@@ -642,6 +662,38 @@ impl Engine {
 mod tests {
     use super::*;
     use kvrouter_core::index::{Index, ReferenceIndex};
+
+    #[test]
+    fn the_ttft_floor_is_under_a_lone_requests_ttft_and_close_to_it() {
+        for speedup in [1.0, 4.0] {
+            let cfg = EngineConfig {
+                speedup,
+                ..EngineConfig::default()
+            };
+            for n in [1u32, 100, 3_000, 8_192, 20_000, 100_000] {
+                let mut e = Engine::new(1, cfg);
+                e.submit(EngineRequest::new(0, n, 4, Vec::new()));
+                let mut ttft = 0.0;
+                loop {
+                    let (ms, out) = e.step().expect("running");
+                    ttft += ms;
+                    if !out.first_tokens.is_empty() {
+                        break;
+                    }
+                }
+                let floor = cfg.ttft_floor_ms(n);
+                assert!(
+                    floor <= ttft + 1e-9,
+                    "{n} tokens: floor {floor} over {ttft}"
+                );
+                assert!(
+                    floor > 0.85 * ttft,
+                    "{n} tokens: floor {floor}, TTFT {ttft}"
+                );
+            }
+            assert_eq!(cfg.ttft_floor_ms(0), cfg.decode_base / speedup);
+        }
+    }
 
     fn chain(ids: &[u64]) -> Vec<(LocalBlockHash, SequenceBlockHash)> {
         let locals: Vec<LocalBlockHash> = ids.iter().map(|&i| LocalBlockHash(i)).collect();

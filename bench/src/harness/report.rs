@@ -66,6 +66,9 @@ pub struct PolicyReport {
     pub prefix_hit_ratio: f64,
     /// The trace's infinite-cache ideal.
     pub ideal_prefix_hit_ratio: f64,
+    /// The trace's TTFT floor ([`Ideals::ttft_floor_mean`]): no policy's mean or p99 can
+    /// be lower.
+    pub ttft_floor_ms: MeanP99,
     /// What the cache capacity allows: one LRU cache of all workers' blocks, requests in
     /// arrival order.
     pub capacity_prefix_hit_ratio: f64,
@@ -160,7 +163,7 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v
 }
 
-fn pct(v: &[f64], p: f64) -> f64 {
+pub(super) fn pct(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -209,6 +212,10 @@ impl PolicyReport {
             throughput_rps,
             prefix_hit_ratio,
             ideal_prefix_hit_ratio: ideals.infinite,
+            ttft_floor_ms: MeanP99 {
+                mean: ideals.ttft_floor_mean,
+                p99: ideals.ttft_floor_p99,
+            },
             capacity_prefix_hit_ratio: ideals.capacity,
             offered_prefix_hit_ratio: None,
             host_hit_ratio: None,
@@ -264,6 +271,10 @@ impl PolicyReport {
     pub fn set_ideals(&mut self, ideals: Ideals) {
         self.ideal_prefix_hit_ratio = ideals.infinite;
         self.capacity_prefix_hit_ratio = ideals.capacity;
+        self.ttft_floor_ms = MeanP99 {
+            mean: ideals.ttft_floor_mean,
+            p99: ideals.ttft_floor_p99,
+        };
     }
 
     /// Busiest worker's share over the idlest's (∞ when one got nothing).
@@ -317,6 +328,13 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.capacity_prefix_hit_ratio * 100.0,
             r.ideal_prefix_hit_ratio * 100.0,
             r.share_ratio(),
+        );
+    }
+    if let Some(r) = reports.first() {
+        let _ = writeln!(
+            s,
+            "TTFT floor (each request alone on an idle engine, every block it could ever hit cached): mean {:.0}ms, p99 {:.0}ms",
+            r.ttft_floor_ms.mean, r.ttft_floor_ms.p99
         );
     }
     s

@@ -12,7 +12,7 @@ use kvrouter_core::worker::WorkerDp;
 
 use super::engine::{Engine, EngineConfig, EngineRequest, StepOutcome};
 use super::report::{PolicyReport, RequestOutcome, Utilisation, WorkerUtilisation};
-use super::trace::{TraceHashes, TraceRequest, ideal_hit_ratio};
+use super::trace::{TraceHashes, TraceRequest, ideal_hit_ratio, ideal_hits};
 
 /// The trace's achievable prefix-hit ratios, computed once per run.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -21,18 +21,43 @@ pub struct Ideals {
     pub infinite: f64,
     /// One cache of all workers' capacity.
     pub capacity: f64,
+    /// A floor under any policy's TTFT, ms: per request, [`EngineConfig::ttft_floor_ms`]
+    /// of what it must prefill with every block it could ever hit cached (the infinite
+    /// cache). A policy's mean and p99 cannot be below this mean and p99 (order statistics
+    /// keep the per-request bound).
+    pub ttft_floor_mean: f64,
+    /// The floor's 99th percentile, ms.
+    pub ttft_floor_p99: f64,
 }
 
 impl Ideals {
     /// Both ideals for `trace` under `cfg`'s engines.
     pub fn compute(trace: &[TraceRequest], hashes: &TraceHashes, cfg: &SimConfig) -> Self {
+        let (infinite, hits) = ideal_hits(trace, hashes, usize::MAX);
+        let bs = cfg.engine.block_size;
+        let mut floor: Vec<f64> = trace
+            .iter()
+            .zip(&hits)
+            .map(|(r, &h)| {
+                let cached = (h as u64 * u64::from(bs)).min(u64::from(r.input_length));
+                cfg.engine.ttft_floor_ms(r.input_length - cached as u32)
+            })
+            .collect();
+        floor.sort_by(f64::total_cmp);
+        let n = floor.len();
         Ideals {
-            infinite: ideal_hit_ratio(trace, hashes, usize::MAX),
+            infinite,
             capacity: ideal_hit_ratio(
                 trace,
                 hashes,
                 cfg.engine.capacity_blocks.saturating_mul(cfg.workers),
             ),
+            ttft_floor_mean: if n == 0 {
+                0.0
+            } else {
+                floor.iter().sum::<f64>() / n as f64
+            },
+            ttft_floor_p99: super::report::pct(&floor, 0.99),
         }
     }
 }

@@ -125,6 +125,15 @@ pub fn ideal_hit_ratio(
     hashes: &TraceHashes,
     capacity_blocks: usize,
 ) -> f64 {
+    ideal_hits(trace, hashes, capacity_blocks).0
+}
+
+/// [`ideal_hit_ratio`], and the blocks each request found cached in that one cache.
+pub fn ideal_hits(
+    trace: &[TraceRequest],
+    hashes: &TraceHashes,
+    capacity_blocks: usize,
+) -> (f64, Vec<usize>) {
     let cfg = EngineConfig {
         block_size: hashes.block_size(),
         capacity_blocks,
@@ -133,6 +142,7 @@ pub fn ideal_hit_ratio(
         ..EngineConfig::default()
     };
     let mut cache = Engine::new(0, cfg);
+    let mut hits = vec![0; trace.len()];
     for (i, r) in trace.iter().enumerate() {
         let locals = hashes.locals(r);
         let blocks = locals
@@ -141,14 +151,19 @@ pub fn ideal_hit_ratio(
             .zip(sequence_hashes(&locals))
             .collect();
         cache.submit(EngineRequest::new(i, r.input_length, 1, blocks));
-        while cache.step().is_some() {}
+        while let Some((_, out)) = cache.step() {
+            for (&id, &h) in out.first_tokens.iter().zip(&out.first_cached) {
+                hits[id] = h;
+            }
+        }
         cache.take_events();
     }
-    if cache.prompt_blocks == 0 {
+    let ratio = if cache.prompt_blocks == 0 {
         0.0
     } else {
         cache.hit_blocks as f64 / cache.prompt_blocks as f64
-    }
+    };
+    (ratio, hits)
 }
 
 /// The same in the trace's own unit (512-token blocks, by id): 36.6 % on the Mooncake
