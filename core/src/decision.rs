@@ -180,6 +180,9 @@ pub struct DeciderConfig {
     /// `Some`: approximate mode (no KV events): the decider records its own decisions in an
     /// index with these settings and looks requests up there instead of in the KV index.
     pub approximate: Option<ApproxConfig>,
+    /// `Some` (with KV events): the decider also records its own decisions, and a worker's
+    /// overlap is the larger of the index's and the records'.
+    pub remember: Option<ApproxConfig>,
     /// Requests not heard of for this long are released, ms.
     pub stale_after_ms: u64,
     /// Seed of tie-breaking and sampling.
@@ -198,6 +201,7 @@ impl Default for DeciderConfig {
             selection: Selection::Cost,
             block_size: 64,
             approximate: None,
+            remember: None,
             stale_after_ms: 600_000,
             seed: 0,
             id_prefix: 0,
@@ -304,6 +308,8 @@ pub struct Decider {
     cfg: DeciderConfig,
     slots: Slots,
     approx: Option<ApproxIndex>,
+    recent: Option<ApproxIndex>,
+    recent_scores: OverlapScores,
     rng: Rng,
     next_request: u64,
     round_robin: usize,
@@ -324,6 +330,11 @@ impl Decider {
         Self {
             slots,
             approx: cfg.approximate.map(ApproxIndex::new),
+            recent: cfg
+                .remember
+                .filter(|_| cfg.approximate.is_none())
+                .map(ApproxIndex::new),
+            recent_scores: OverlapScores::new(),
             rng: Rng::new(cfg.seed),
             next_request: 0,
             round_robin: 0,
@@ -411,6 +422,28 @@ impl Decider {
             (Some(approx), _) => approx.find_matches_into(locals, now_ms, &mut self.overlaps),
             (None, Some(index)) => index.find_matches_into(locals, &mut self.overlaps),
             (None, None) => self.overlaps.clear(),
+        }
+        if let Some(recent) = &self.recent {
+            recent.find_matches_into(locals, now_ms, &mut self.recent_scores);
+            if !self.recent_scores.is_empty() {
+                let mut merged = OverlapScores::new();
+                let (a, b) = (self.overlaps.as_slice(), self.recent_scores.as_slice());
+                let (mut i, mut j) = (0, 0);
+                while i < a.len() || j < b.len() {
+                    if j == b.len() || (i < a.len() && a[i].0 < b[j].0) {
+                        merged.push(a[i].0, a[i].1);
+                        i += 1;
+                    } else if i == a.len() || b[j].0 < a[i].0 {
+                        merged.push(b[j].0, b[j].1);
+                        j += 1;
+                    } else {
+                        merged.push(a[i].0, a[i].1.max(b[j].1));
+                        i += 1;
+                        j += 1;
+                    }
+                }
+                self.overlaps = merged;
+            }
         }
     }
 
@@ -551,6 +584,9 @@ impl Decider {
         if let Some(approx) = &mut self.approx {
             approx.record(worker, route.locals, now_ms);
         }
+        if let Some(recent) = &mut self.recent {
+            recent.record(worker, route.locals, now_ms);
+        }
         Ok(Decision {
             worker,
             position,
@@ -580,6 +616,9 @@ impl Decider {
 
     /// Releases stale requests and expired approximate records; returns how many requests.
     pub fn expire(&mut self, now_ms: u64) -> usize {
+        if let Some(recent) = &mut self.recent {
+            recent.expire(now_ms);
+        }
         if let Some(approx) = &mut self.approx {
             approx.expire(now_ms);
         }
@@ -598,6 +637,9 @@ impl Decider {
     /// never chosen again unless it is a candidate again.
     pub fn remove(&mut self, worker: WorkerDp) {
         self.slots.remove(worker);
+        if let Some(recent) = &mut self.recent {
+            recent.remove(worker);
+        }
         if let Some(approx) = &mut self.approx {
             approx.remove(worker);
         }
@@ -871,6 +913,44 @@ mod tests {
         d.expire(1000);
         assert_eq!(d.overlaps(None, &l, 1000).get(first.worker), 0);
         assert_eq!(d.slots().active_requests(), 0);
+    }
+
+    #[test]
+    fn remembered_decisions_credit_what_the_index_no_longer_shows() {
+        let mut d = Decider::new(DeciderConfig {
+            remember: Some(ApproxConfig {
+                ttl_ms: 100,
+                ..Default::default()
+            }),
+            cost: CostConfig {
+                herd: Herd::Off,
+                ..CostConfig::default()
+            },
+            ..Default::default()
+        });
+        assert!(!d.is_approximate());
+        let idx = index();
+        // [7, 8] is in no worker's cache; the decision is remembered.
+        let l = locals(&[7, 8]);
+        let first = d
+            .decide(Some(&idx), &W, route(&l, None), seqs(&l), 0)
+            .unwrap();
+        d.free(&first.request_id).unwrap();
+        // The index still shows nothing (the blocks were evicted, say); the record does.
+        assert_eq!(d.overlaps(Some(&idx), &l, 50).get(first.worker), 2);
+        let next = d
+            .decide(Some(&idx), &W, route(&l, None), seqs(&l), 50)
+            .unwrap();
+        assert_eq!((next.worker, next.overlap_blocks), (first.worker, 2));
+        // Merged per worker with the index's answer: the longer of the two.
+        let q = locals(&[1, 2, 3, 4]);
+        let w2 = WorkerDp::new(2, 0);
+        assert_eq!(d.overlaps(Some(&idx), &q, 60).get(w2), 3);
+        // Records expire; the index's answer stays.
+        d.free(&next.request_id).unwrap();
+        d.expire(1000);
+        assert_eq!(d.overlaps(Some(&idx), &l, 1000).get(first.worker), 0);
+        assert_eq!(d.overlaps(Some(&idx), &q, 1000).get(w2), 3);
     }
 
     #[test]

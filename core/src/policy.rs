@@ -88,6 +88,19 @@
 //! prompts are alike; for a short cached request among long ones it over-charges (it
 //! stays behind a longer queue than it should).
 //!
+//! What the saturation charge did not close on the overloaded whole trace (the
+//! approximate mode's mean TTFT 5–22 % lower, seed by seed) is the rest of that
+//! stickiness, and the router can carry it over explicitly: with
+//! `DeciderConfig::remember` (`kvrouter serve --remember-decisions-secs`) the exact
+//! router also records its own decisions, as the approximate mode does, and credits a
+//! worker with the longer of the index's prefix and the remembered one. Where the index
+//! shows a session's blocks evicted, the session still stays where it was, as under the
+//! approximate mode; where nothing was evicted the two agree and nothing changes. With a
+//! 120 s memory the exact router's mean on the whole trace goes below the approximate
+//! mode's on three seeds of three (docs/BENCHMARKS.md); but it keeps sessions on workers
+//! that no longer hold them at merely high loads too, which costs 5–23 % of the mean there,
+//! so it is off by default: it is for fleets whose caches are overcommitted.
+//!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
 //! need them: for each candidate, the predicted TTFT there (the wait until the prefill

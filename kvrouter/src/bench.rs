@@ -70,6 +70,11 @@ pub(crate) struct BenchArgs {
     /// (0: off).
     #[arg(long, default_value_t = CostConfig::default().saturation_weight)]
     saturation_weight: f64,
+    /// kv-aware and kv-aware-p2c also remember their own decisions this long, seconds,
+    /// and credit a worker with the longer of the index's prefix and the remembered one
+    /// (0: off; `kvrouter serve --remember-decisions-secs`).
+    #[arg(long, default_value_t = 0)]
+    remember_secs: u64,
     /// kv-time: weight of the delay a prefill adds to each request decoding there.
     #[arg(long, default_value_t = CostConfig::time().decode_delay_weight)]
     decode_delay_weight: f64,
@@ -161,6 +166,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             credit_inflight: args.time_credit_inflight,
             ..CostConfig::time()
         },
+        remember_ms: args.remember_secs.saturating_mul(1000),
     };
     cfg.cost.check().context(
         "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --temperature, --saturation-weight)",

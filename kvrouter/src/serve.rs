@@ -228,6 +228,11 @@ pub(crate) struct ServeArgs {
     /// Herd resistance: power of two choices among the k cheapest (0: off).
     #[arg(long, env = "KVROUTER_HERD_K")]
     herd_k: Option<usize>,
+    /// Also remember our own decisions this long, seconds, and credit a worker with the
+    /// longer of its KV events' prefix and the remembered one: sessions stay where they
+    /// were when the index shows their blocks evicted (0: off; see OPERATIONS).
+    #[arg(long, env = "KVROUTER_REMEMBER_DECISIONS_SECS")]
+    remember_decisions_secs: Option<u64>,
     /// How a worker is picked: `kv` (the cost function, default), or a cache-blind
     /// baseline: `round-robin`, `random`, `least-loaded` (Dynamo's `--router-mode`).
     #[arg(long, env = "KVROUTER_ROUTER_MODE")]
@@ -355,6 +360,7 @@ pub(crate) struct ServeConfig {
     prefill_prior: Prior,
     herd_k: usize,
     router_mode: Selection,
+    remember_decisions_secs: u64,
     max_active_decode_blocks: Option<u64>,
     max_active_prefill_tokens: Option<u64>,
     openai_listen: Option<SocketAddr>,
@@ -433,6 +439,7 @@ impl Default for ServeConfig {
             prefill_prior: cost.prior,
             herd_k: 0,
             router_mode: Selection::Cost,
+            remember_decisions_secs: 0,
             max_active_decode_blocks: None,
             max_active_prefill_tokens: None,
             openai_listen: None,
@@ -621,6 +628,7 @@ impl ServeConfig {
             decode_delay_weight,
             herd_k,
             router_mode,
+            remember_decisions_secs,
             models,
             loras,
             worker_urls,
@@ -913,6 +921,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         block_size: cfg.block_size,
         cost,
         selection: cfg.router_mode,
+        remember_ms: cfg.remember_decisions_secs.saturating_mul(1000),
         kv_events: cfg.kv_events,
         replica_sync: cfg.replica_sync,
         router_id: cfg.router_id,
@@ -1233,5 +1242,9 @@ mod tests {
             assert_eq!(ServeConfig::resolve(&cli.serve).unwrap().router_mode, mode);
         }
         assert!(Cli::try_parse_from(["x", "--router-mode", "kv-aware"]).is_err());
+        assert_eq!(ServeConfig::default().remember_decisions_secs, 0);
+        let cli = Cli::try_parse_from(["x", "--remember-decisions-secs", "600"]).unwrap();
+        let cfg = ServeConfig::resolve(&cli.serve).unwrap();
+        assert_eq!(cfg.remember_decisions_secs, 600);
     }
 }

@@ -377,6 +377,12 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         "--decode-delay-weight".to_owned(),
         c.decode_delay_weight.to_string(),
     ]);
+    if matches!(policy, Policy::KvAware | Policy::KvAwareP2c) && cfg.sim.remember_ms > 0 {
+        a.extend([
+            "--remember-decisions-secs".to_owned(),
+            cfg.sim.remember_ms.div_ceil(1000).to_string(),
+        ]);
+    }
     match policy {
         Policy::KvAwareP2c => a.extend(["--herd-k".to_owned(), "3".to_owned()]),
         Policy::Approximate => a.extend(["--kv-events".to_owned(), "false".to_owned()]),
@@ -932,5 +938,17 @@ mod tests {
             Some("false")
         );
         assert_eq!(value(&args(Policy::KvAwareP2c), "--herd-k"), Some("3"));
+        assert_eq!(value(&ours, "--remember-decisions-secs"), None);
+        let remembering = NetConfig {
+            sim: SimConfig {
+                remember_ms: 600_000,
+                ..SimConfig::default()
+            },
+            ..cfg.clone()
+        };
+        let r = router_args(&remembering, "ns", Policy::KvAware);
+        assert_eq!(value(&r, "--remember-decisions-secs"), Some("600"));
+        let r = router_args(&remembering, "ns", Policy::Dynamo);
+        assert_eq!(value(&r, "--remember-decisions-secs"), None);
     }
 }

@@ -135,6 +135,10 @@ pub struct SimConfig {
     pub cost: CostConfig,
     /// The time-based cost of `kv-time`.
     pub time: CostConfig,
+    /// `kv-aware` and `kv-aware-p2c` also remember their own decisions this long, ms, and
+    /// credit a worker with the longer of the index's prefix and the remembered one (0:
+    /// off; `kvrouter serve --remember-decisions-secs`).
+    pub remember_ms: u64,
 }
 
 impl Default for SimConfig {
@@ -146,6 +150,7 @@ impl Default for SimConfig {
             engine: EngineConfig::default(),
             cost: CostConfig::default(),
             time: CostConfig::time(),
+            remember_ms: 0,
         }
     }
 }
@@ -210,6 +215,12 @@ impl Router {
             selection,
             block_size: cfg.engine.block_size,
             approximate: (policy == Policy::Approximate).then(ApproxConfig::default),
+            remember: (cfg.remember_ms > 0
+                && matches!(policy, Policy::KvAware | Policy::KvAwareP2c))
+            .then(|| ApproxConfig {
+                ttl_ms: cfg.remember_ms,
+                ..ApproxConfig::default()
+            }),
             stale_after_ms: u64::MAX / 4,
             seed: cfg.seed,
             id_prefix: 0,
@@ -252,7 +263,7 @@ impl Router {
         // Ids are the trace's line numbers and workers are never empty: it always decides.
         let pick = decision.map_or(0, |d| d.position);
         // What the cache offered at this moment, whatever the policy did with it.
-        let offered = if self.decider.is_approximate() {
+        let offered = if self.decider.is_approximate() || self.decider.config().remember.is_some() {
             self.index.find_matches_into(locals, &mut self.probe);
             &self.probe
         } else {

@@ -65,6 +65,9 @@ pub struct RouterConfig {
     pub kv_events: bool,
     /// Approximate-mode settings.
     pub approx: ApproxConfig,
+    /// With KV events: also remember our own decisions this long, ms, and credit a worker
+    /// with the longer of the index's prefix and the remembered one (0: off).
+    pub remember_ms: u64,
     /// Share slot predictions with other replicas over NATS.
     pub replica_sync: bool,
     /// This router's id (replicas ignore their own messages).
@@ -103,6 +106,7 @@ impl Default for RouterConfig {
             selection: Selection::Cost,
             kv_events: true,
             approx: ApproxConfig::default(),
+            remember_ms: 0,
             replica_sync: true,
             router_id: 0,
             subjects: Subjects::default(),
@@ -237,6 +241,10 @@ fn decider_config(cfg: &RouterConfig) -> DeciderConfig {
         selection: cfg.selection,
         block_size: cfg.block_size,
         approximate: (!cfg.kv_events).then_some(cfg.approx),
+        remember: (cfg.kv_events && cfg.remember_ms > 0).then_some(ApproxConfig {
+            ttl_ms: cfg.remember_ms,
+            ..cfg.approx
+        }),
         stale_after_ms: cfg.stale_after.as_millis() as u64,
         seed: cfg.seed ^ cfg.router_id,
         id_prefix: cfg.router_id,
