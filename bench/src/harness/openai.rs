@@ -168,6 +168,19 @@ fn blocks_of(tokens: &[u32], block_size: u32) -> Vec<(LocalBlockHash, SequenceBl
     locals.into_iter().zip(seqs).collect()
 }
 
+/// Waits for a request's next token (noting its cached blocks at the first); `false` at
+/// its end.
+fn next_token(rx: &flume::Receiver<Tok>, cached: &mut usize) -> bool {
+    match rx.recv() {
+        Ok(Tok::First { cached_blocks }) => {
+            *cached = cached_blocks;
+            true
+        }
+        Ok(Tok::Token) => true,
+        Ok(Tok::Done) | Err(_) => false,
+    }
+}
+
 fn engine_conn(
     conn: TcpStream,
     block_size: u32,
@@ -227,12 +240,7 @@ fn engine_conn(
             )?;
             w.flush()?;
             let (mut generated, mut cached) = (0u32, 0usize);
-            while let Ok(t) = rx.recv() {
-                match t {
-                    Tok::First { cached_blocks } => cached = cached_blocks,
-                    Tok::Token => {}
-                    Tok::Done => break,
-                }
+            while next_token(&rx, &mut cached) {
                 generated += 1;
                 let last = generated >= output;
                 let event = serde_json::json!({
@@ -254,12 +262,7 @@ fn engine_conn(
             w.flush()?;
         } else {
             let (mut generated, mut cached) = (0u32, 0usize);
-            while let Ok(t) = rx.recv() {
-                match t {
-                    Tok::First { cached_blocks } => cached = cached_blocks,
-                    Tok::Token => {}
-                    Tok::Done => break,
-                }
+            while next_token(&rx, &mut cached) {
                 generated += 1;
             }
             let text = " t".repeat(generated as usize);
