@@ -15,6 +15,7 @@
 //!
 //! Sample inputs for fresh clones live in `bench/data/` (see its README).
 
+mod child;
 pub mod concurrent;
 #[cfg(feature = "dynamo")]
 pub mod dynamo;

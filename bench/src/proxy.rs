@@ -16,7 +16,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Serialize;
 
+use crate::child::{Reaped, free_port, wait_port};
 use crate::perf::percentile;
 
 /// One phase of the load.
@@ -75,15 +76,6 @@ pub struct ProxyBench {
     /// Dynamo's venv (`../shared/dynamo/setup.sh`): measure its frontend too.
     #[arg(long)]
     pub dynamo_venv: Option<PathBuf>,
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// CPU seconds (user + system) of process `pid` so far.
@@ -295,19 +287,6 @@ fn phase(
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn wait_port(addr: &str, what: &str, limit: Duration) -> anyhow::Result<()> {
-    let t = Instant::now();
-    while TcpStream::connect(addr).is_err() {
-        anyhow::ensure!(t.elapsed() < limit, "{what} did not listen on {addr}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(())
-}
-
 /// The request every phase sends.
 fn request_body(words: usize) -> Vec<u8> {
     let system: String = (0..words).map(|i| format!("w{} ", i % 97)).collect();
@@ -324,7 +303,7 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
     let stop = Arc::new(AtomicBool::new(false));
     let engine = mock_engine(Arc::clone(&stop))?;
     let openai = format!("127.0.0.1:{}", free_port()?);
-    let kv = Proc(
+    let kv = Reaped(
         Command::new(&cfg.kvrouter)
             .args([
                 "serve",
@@ -378,8 +357,8 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
 }
 
 struct DynamoStack {
-    _mocker: Proc,
-    frontend: Proc,
+    _mocker: Reaped,
+    frontend: Reaped,
     addr: String,
     _dir: PathBuf,
 }
@@ -389,8 +368,8 @@ fn dynamo_stack(venv: &Path, model: &Path) -> anyhow::Result<DynamoStack> {
     let dir = std::env::temp_dir().join(format!("kvrouter-proxy-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    let py = |args: &[&str], log: &str| -> anyhow::Result<Proc> {
-        Ok(Proc(
+    let py = |args: &[&str], log: &str| -> anyhow::Result<Reaped> {
+        Ok(Reaped(
             Command::new(venv.join("bin/python"))
                 .args(args)
                 .env("DYN_FILE_KV", &dir)

@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrouter_core::codec::vllm::{WireBatch, WireEvent};
@@ -32,6 +32,7 @@ use kvrouter_io::ingest::{Ingest, IngestConfig, ZmqEngine};
 use kvrouter_io::zmq::Endpoint;
 use serde::Serialize;
 
+use crate::child::Reaped;
 use crate::perf::{LoadedLog, percentile};
 
 /// One run. Field names are the JSON keys.
@@ -170,15 +171,6 @@ pub fn encode(
     Ok((out, workers))
 }
 
-struct Py(Child);
-
-impl Drop for Py {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn free_base(n: u16) -> u16 {
     loop {
         let base = std::net::TcpListener::bind("127.0.0.1:0")
@@ -232,7 +224,7 @@ pub fn run(
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("py/zmq_bench.py");
     let n = workers.len() as u16;
     let bs = bt as u32;
-    let publisher = |base: u16| -> anyhow::Result<Py> {
+    let publisher = |base: u16| -> anyhow::Result<Reaped> {
         let mut cmd = Command::new(python);
         cmd.arg(&script).args([
             "pub",
@@ -243,10 +235,9 @@ pub fn run(
         if let Some(r) = rate {
             cmd.args(["--rate", &r.to_string()]);
         }
-        Ok(Py(cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()?))
+        Ok(Reaped(
+            cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?,
+        ))
     };
 
     // Ingest.
@@ -320,16 +311,18 @@ pub fn run(
         line_of(&mut pout)? == "ready",
         "the publisher did not start"
     );
-    let mut s = Py(Command::new(python)
-        .arg(&script)
-        .args([
-            "sub",
-            &base.to_string(),
-            &n.to_string(),
-            &msgs.len().to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .spawn()?);
+    let mut s = Reaped(
+        Command::new(python)
+            .arg(&script)
+            .args([
+                "sub",
+                &base.to_string(),
+                &n.to_string(),
+                &msgs.len().to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()?,
+    );
     let mut sout = BufReader::new(s.0.stdout.take().expect("stdout"));
     anyhow::ensure!(
         line_of(&mut sout)? == "ready",

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -37,6 +37,7 @@ use super::openai::{self, HttpJob, Tok};
 use super::report::{PolicyReport, RequestOutcome};
 use super::sim::{Ideals, Policy, SimConfig};
 use super::trace::TraceRequest;
+use crate::child::{Reaped, free_port, wait_port};
 
 /// One request for an engine.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -297,16 +298,6 @@ pub struct NetConfig {
     pub stall_timeout: Duration,
     /// Send every request through the router's OpenAI front ([`super::openai`]).
     pub openai: bool,
-}
-
-/// Kills a child process when dropped.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A keep-alive HTTP connection to the router.
@@ -790,13 +781,6 @@ fn openai_args(policy: Policy, card: &std::path::Path, port: u16, engines: &[u16
     a
 }
 
-/// A free loopback port (bound, then released for the router to take).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// The OpenAI mode of [`run_networked`], once the engines are up on `ports`: every policy
 /// is decided by the router's front, every request sent to it as a streaming completion.
 fn run_openai(
@@ -822,13 +806,7 @@ fn run_openai(
     let card = Card(card);
     let router = spawn_router(cfg, ns, policy, &openai_args(policy, &card.0, port, ports))?;
     let addr = format!("127.0.0.1:{port}");
-    let up = Instant::now();
-    while TcpStream::connect(&addr).is_err() {
-        if up.elapsed() > Duration::from_secs(20) {
-            bail!("the router's OpenAI front did not listen on {addr}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_port(&addr, "the router's OpenAI front", Duration::from_secs(20))?;
     let client = openai::Client::new(addr, cfg.stall_timeout);
     let block = u64::from(cfg.sim.engine.block_size);
     let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
