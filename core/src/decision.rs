@@ -425,25 +425,7 @@ impl Decider {
         }
         if let Some(recent) = &self.recent {
             recent.find_matches_into(locals, now_ms, &mut self.recent_scores);
-            if !self.recent_scores.is_empty() {
-                let mut merged = OverlapScores::new();
-                let (a, b) = (self.overlaps.as_slice(), self.recent_scores.as_slice());
-                let (mut i, mut j) = (0, 0);
-                while i < a.len() || j < b.len() {
-                    if j == b.len() || (i < a.len() && a[i].0 < b[j].0) {
-                        merged.push(a[i].0, a[i].1);
-                        i += 1;
-                    } else if i == a.len() || b[j].0 < a[i].0 {
-                        merged.push(b[j].0, b[j].1);
-                        j += 1;
-                    } else {
-                        merged.push(a[i].0, a[i].1.max(b[j].1));
-                        i += 1;
-                        j += 1;
-                    }
-                }
-                self.overlaps = merged;
-            }
+            self.overlaps.merge_max(&self.recent_scores);
         }
     }
 

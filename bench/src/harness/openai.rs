@@ -386,7 +386,9 @@ impl Client {
         while let Some(event) = stream.next_event()? {
             let now = start.elapsed().as_secs_f64() * 1000.0;
             if event == "[DONE]" {
-                last = if n == 0 { now } else { last };
+                if n == 0 {
+                    last = now;
+                }
                 continue;
             }
             let v: serde_json::Value = serde_json::from_str(&event)

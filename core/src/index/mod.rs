@@ -217,6 +217,33 @@ impl OverlapScores {
         );
     }
 
+    /// Takes, per worker, the larger of its score here and in `other` (both sorted by
+    /// worker), in one pass; reuses this answer's scratch, so nothing is allocated once
+    /// warm.
+    pub fn merge_max(&mut self, other: &OverlapScores) {
+        if other.scores.is_empty() {
+            return;
+        }
+        let (a, b) = (&mut self.scratch, &other.scores);
+        a.clear();
+        a.append(&mut self.scores);
+        let out = &mut self.scores;
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() || j < b.len() {
+            if j == b.len() || (i < a.len() && a[i].0 < b[j].0) {
+                out.push(a[i]);
+                i += 1;
+            } else if i == a.len() || b[j].0 < a[i].0 {
+                out.push(b[j]);
+                j += 1;
+            } else {
+                out.push((a[i].0, a[i].1.max(b[j].1)));
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+
     /// The score of `worker` (0 when absent).
     pub fn get(&self, worker: WorkerDp) -> u32 {
         self.scores
@@ -338,6 +365,27 @@ mod tests {
         ws.iter()
             .map(|&w| (WorkerDp::new(w, 0), w as u32 + 1))
             .collect()
+    }
+
+    #[test]
+    fn merge_max_keeps_each_workers_larger_score() {
+        let of = |v: &[(u64, u32)]| {
+            let mut o = OverlapScores::new();
+            for &(w, s) in v {
+                o.push(WorkerDp::new(w, 0), s);
+            }
+            o.finish();
+            o
+        };
+        let mut a = of(&[(1, 3), (4, 1), (6, 2)]);
+        a.merge_max(&of(&[(2, 5), (4, 7), (6, 1), (9, 2)]));
+        assert_eq!(a, of(&[(1, 3), (2, 5), (4, 7), (6, 2), (9, 2)]));
+        // Either side empty.
+        let mut e = OverlapScores::new();
+        e.merge_max(&of(&[(3, 1)]));
+        assert_eq!(e, of(&[(3, 1)]));
+        e.merge_max(&OverlapScores::new());
+        assert_eq!(e, of(&[(3, 1)]));
     }
 
     #[test]
