@@ -96,6 +96,8 @@ fn mock_engine(stop: Arc<AtomicBool>) -> anyhow::Result<String> {
     let addr = listener.local_addr()?.to_string();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
+            // A bare flag (no data travels with it): pairs with the store when the run
+            // ends; seen at the next connection.
             if stop.load(Ordering::Relaxed) {
                 return;
             }

@@ -285,7 +285,8 @@ pub(crate) struct ServeArgs {
     /// Threads tokenising the front's requests off its executor (0: inline).
     #[arg(long, env = "KVROUTER_TOKENIZER_THREADS")]
     tokenizer_threads: Option<usize>,
-    /// Bodies of at most this many bytes are tokenised inline on the front's executor.
+    /// Bodies of at most this many bytes are tokenised inline on the front's executor
+    /// (those over 512 bytes only while inline encoding is not busy).
     #[arg(long, env = "KVROUTER_INLINE_TOKENIZE_BYTES")]
     inline_tokenize_bytes: Option<usize>,
     /// Session affinity: a header naming the session, besides `X-Dynamo-Session-ID`.

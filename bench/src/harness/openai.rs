@@ -207,6 +207,7 @@ fn engine_conn(
                 continue;
             }
         };
+        // Only uniqueness is needed: no other memory is published with the id.
         let id = ids.fetch_add(1, Ordering::Relaxed);
         let prompt_tokens = req.prompt.len() as u32;
         let output = req.max_tokens.unwrap_or(16).max(1);
