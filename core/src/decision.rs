@@ -501,6 +501,7 @@ impl Decider {
                         let t = self.tiers.get(c.worker);
                         c.host_overlap_blocks = t.host;
                         c.disk_overlap_blocks = t.disk;
+                        c.shared_beyond_blocks = self.tiers.shared_beyond(c.device_overlap_blocks);
                     }
                 }
                 if let Some(p) = &self.prefill {
@@ -1054,6 +1055,58 @@ mod tests {
         let (device, tiers) = d.tier_overlaps(Some(&idx), &l, None, 0);
         assert_eq!(device.get(W[1]), 3);
         assert_eq!(tiers.get(W[2]).host, 4);
+    }
+
+    #[test]
+    fn shared_pool_blocks_are_credited_past_each_device_prefix() {
+        // Worker 2 holds 3 of the 4 blocks on the device; a shared pool (published by
+        // source 9, residency `cache_owner`) holds all 4. Every worker reads the pool: worker
+        // 2 is credited its one pool block past its device prefix, the others all 4.
+        let mut idx = crate::index::TreeIndex::new(2);
+        let l = locals(&[1, 2, 3, 4]);
+        let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
+            l.iter().copied().zip(sequence_hashes(&l)).collect();
+        idx.apply(RouterEvent::new(
+            2,
+            KvCacheEvent::stored(0, 0, None, blocks[..3].to_vec()),
+        ))
+        .unwrap();
+        let mut e = RouterEvent::new(9, KvCacheEvent::stored(0, 0, None, blocks));
+        e.residency_domain = Some(crate::event::ResidencyDomain::CacheOwner);
+        e.storage_tier = crate::worker::StorageTier::External;
+        idx.apply(e).unwrap();
+        // The pool's publisher is no worker.
+        assert_eq!(idx.workers().len(), 1);
+        for multiplier in [0.0, 0.5] {
+            let mut d = Decider::new(DeciderConfig {
+                cost: CostConfig {
+                    shared_cache_multiplier: multiplier,
+                    ..CostConfig::default()
+                },
+                block_size: 16,
+                ..Default::default()
+            });
+            let mut r = route(&l, None);
+            r.explain = true;
+            let out = d.decide(Some(&idx), &W, r, seqs(&l), 0).unwrap();
+            let scored = out.scored.unwrap();
+            let beyond: Vec<u32> = scored
+                .iter()
+                .map(|s| s.candidate.shared_beyond_blocks)
+                .collect();
+            assert_eq!(beyond, [4, 1, 4]);
+            for s in &scored {
+                let want = multiplier * f64::from(s.candidate.shared_beyond_blocks);
+                assert_eq!(s.credits.shared, want);
+            }
+            // Worker 2: 3 device blocks and half a block from the pool, against 2 pool
+            // blocks elsewhere at 0.5: it still wins.
+            assert_eq!(out.worker, W[1]);
+        }
+        let mut d = Decider::new(DeciderConfig::default());
+        let (device, tiers) = d.tier_overlaps(Some(&idx), &l, None, 0);
+        assert_eq!((device.get(W[1]), tiers.shared_beyond(3)), (3, 1));
+        assert_eq!(tiers.shared_beyond(0), 4);
     }
 
     #[test]

@@ -57,6 +57,13 @@ impl RouterEvent {
         matches!(self.residency_domain, None | Some(ResidencyDomain::Worker))
     }
 
+    /// Whether the event describes a shared pool's blocks (residency `cache_owner`;
+    /// [`crate::index::tiers`], "The shared pool"). An event of neither domain (a name this
+    /// build does not know) describes nothing it can index.
+    pub fn is_shared_pool(&self) -> bool {
+        matches!(self.residency_domain, Some(ResidencyDomain::CacheOwner))
+    }
+
     /// Number of blocks the event names (stored or removed).
     pub fn block_count(&self) -> usize {
         match &self.event.data {

@@ -328,9 +328,9 @@ pub struct Candidate {
     pub host_overlap_blocks: u32,
     /// Further blocks cached on disk.
     pub disk_overlap_blocks: u32,
-    /// Blocks in a shared cache beyond the device overlap. Dynamo 1.6.1 learns these from a
-    /// query to the shared cache (SGLang HiCache), not from KV events; kvrouter has no such
-    /// source yet, so every front leaves it 0.
+    /// Request blocks at or past the device overlap that a shared pool holds. Dynamo 1.6.1
+    /// learns the pool's blocks from a query to it per request (SGLang HiCache); kvrouter
+    /// from the pool's `cache_owner` KV events ([`crate::index::tiers`], "The shared pool").
     pub shared_beyond_blocks: u32,
     /// Leading request blocks that requests routed to it and still active hold (the slot
     /// manager's view: blocks its prefills are computing or have computed, before or

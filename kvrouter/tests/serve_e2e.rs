@@ -619,6 +619,96 @@ fn host_tier_blocks_from_vllm_engines_reach_overlaps_and_win_routes() {
     e2.finish();
 }
 
+#[test]
+fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
+    use kvrouter_core::codec::{Subjects, kv};
+    use kvrouter_core::event::{KvCacheEvent, ResidencyDomain, RouterEvent};
+    use kvrouter_core::worker::StorageTier;
+
+    // Worker 11 holds the prompt's first 2 blocks on its GPU, worker 12 none of them. A shared pool
+    // (source 99, residency `cache_owner`, as Dynamo 1.6.1's wire names it) holds all 8 but
+    // block 5: past worker 11's device prefix it holds 5 of the 6, past worker 12's all 7.
+    let server = NatsServer::start();
+    let r = router(&server.url(), &["--shared-cache-multiplier", "0.5"]);
+    let prompt: Vec<u32> = (7000..7128).collect();
+    let l = local_block_hashes(&prompt, 16, &HashOptions::default());
+    let chain: Vec<(LocalBlockHash, SequenceBlockHash)> =
+        l.iter().copied().zip(sequence_hashes(&l)).collect();
+    let pool = |id: u64, data: KvCacheEvent| {
+        let mut e = RouterEvent::new(99, data);
+        e.event.event_id = id;
+        e.residency_domain = Some(ResidencyDomain::CacheOwner);
+        e.storage_tier = StorageTier::External;
+        e
+    };
+    let events = [
+        RouterEvent::new(11, KvCacheEvent::stored(1, 0, None, chain[..2].to_vec())),
+        // Worker 12 holds one unrelated block (a worker is known by what it holds).
+        RouterEvent::new(
+            12,
+            KvCacheEvent::stored(1, 0, None, [(LocalBlockHash(3), SequenceBlockHash(3))]),
+        ),
+        pool(1, KvCacheEvent::stored(1, 0, None, chain.clone())),
+        pool(2, KvCacheEvent::removed(2, 0, [chain[5].1])),
+    ];
+    let url = server.url();
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(Options {
+                servers: vec![url],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let subject = Subjects::default().kv_events();
+            for (seq, e) in events.iter().enumerate() {
+                let msg = kv::encode_message(7, seq as u64, 0, std::slice::from_ref(e)).unwrap();
+                client.publish(&subject, &msg).await.unwrap();
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    let query = format!("{{\"token_ids\": {prompt:?}}}");
+    wait_until("the pool ingested", || {
+        let (_, v) = json(http(&r.addr, "POST", "/v1/overlaps", &query, &[]));
+        v["shared_blocks"] == 7
+    });
+    let (_, v) = json(http(&r.addr, "POST", "/v1/overlaps", &query, &[]));
+    assert_eq!(
+        v["overlaps"],
+        serde_json::json!([{"worker_id": 11, "dp_rank": 0, "blocks": 2, "shared_blocks": 5}]),
+        "{v}"
+    );
+    assert_eq!(counter(&r.addr, "kvrouter_ingest_pool_events_total"), 2);
+    // The pool's publisher is no worker: not listed, never routed to.
+    let (_, workers) = json(http(&r.addr, "GET", "/v1/workers", "", &[]));
+    assert!(
+        !workers.to_string().contains("\"worker_id\":99"),
+        "{workers}"
+    );
+    let body = format!("{{\"token_ids\": {prompt:?}, \"request_id\": \"p1\", \"explain\": true}}");
+    let (status, v) = json(http(&r.addr, "POST", "/v1/route", &body, &[]));
+    assert_eq!(status, 200, "{v}");
+    // Worker 11: 2 device blocks + 0.5 × 5 = 4.5 of credit; worker 12: 0.5 × 7 = 3.5.
+    assert_eq!(v["worker_id"], 11, "{v}");
+    let credit = |w: u64| {
+        let c = v["candidates"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["worker"]["worker_id"] == w))
+            .unwrap_or_else(|| panic!("{v}"))
+            .clone();
+        (
+            c["shared_beyond_blocks"].as_u64(),
+            c["credits"]["shared"].as_f64(),
+            c["overlap_credit_blocks"].as_f64(),
+        )
+    };
+    assert_eq!(credit(11), (Some(5), Some(2.5), Some(4.5)), "{v}");
+    assert_eq!(credit(12), (Some(7), Some(3.5), Some(3.5)), "{v}");
+}
+
 /// A supervisor that closes the router's stdout before the banner is written must not
 /// take the router down (a failed `println!` panics): it serves on a known port.
 #[test]

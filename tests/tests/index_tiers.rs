@@ -144,3 +144,80 @@ fn a_worked_example_by_hand() {
     assert_eq!(device.get(wa), 1);
     assert_eq!(tiers.get(wa), TierOverlap { host: 3, disk: 1 });
 }
+
+/// The worked example with a shared pool, by hand. The pool (residency `cache_owner`,
+/// published by source 7, which is no worker) holds the request's blocks 0–5 but block 3:
+/// Dynamo's `shared_beyond_blocks` counts the pool's blocks at or past each worker's device
+/// prefix, contiguous or not, and credits them on top of the tier credits.
+#[test]
+fn the_worked_example_with_a_shared_pool() {
+    let path = [0u8, 1, 2, 0, 1, 2];
+    let ls = locals(&path);
+    let ns = names(&path);
+    let a = |tier: u8, from: usize, to: usize| {
+        let parent = (from > 0).then(|| ns[from - 1]);
+        let blocks = ls[from..to]
+            .iter()
+            .copied()
+            .zip(ns[from..to].iter().copied());
+        event(1, tier, KvCacheEvent::stored(0, 0, parent, blocks))
+    };
+    let pool = |data: KvCacheEvent| {
+        let mut e = event(7, 3, data);
+        e.residency_domain = Some(kvrouter_core::event::ResidencyDomain::CacheOwner);
+        e
+    };
+    let mut idx = TreeIndex::new(2);
+    for e in [a(0, 0, 2), a(1, 0, 4), a(2, 4, 5)] {
+        idx.apply(e).unwrap();
+    }
+    let blocks = ls[..3].iter().copied().zip(ns[..3].iter().copied());
+    idx.apply(event(2, 2, KvCacheEvent::stored(0, 0, None, blocks)))
+        .unwrap();
+    let all = ls.iter().copied().zip(ns.iter().copied());
+    idx.apply(pool(KvCacheEvent::stored(0, 0, None, all)))
+        .unwrap();
+    idx.apply(pool(KvCacheEvent::removed(1, 0, [ns[3]])))
+        .unwrap();
+    // The pool's publisher is not a worker; the workers' own counts are unchanged.
+    assert_eq!(idx.workers().len(), 2);
+    let (device, tiers) = tiers_of(&idx, &ls);
+    let (wa, wb) = (WorkerDp::new(1, 0), WorkerDp::new(2, 0));
+    assert_eq!(tiers.get(wa), TierOverlap { host: 2, disk: 1 });
+    assert_eq!(tiers.get(wb), TierOverlap { host: 0, disk: 3 });
+    // Pool blocks 0, 1, 2, 4, 5: past A's 2 device blocks, 2, 4 and 5; past B's none, all 5.
+    assert_eq!(tiers.shared_beyond(device.get(wa)), 3);
+    assert_eq!(tiers.shared_beyond(device.get(wb)), 5);
+    // Dynamo's weights with the multiplier HiCache gets (0.5), 6 blocks:
+    // A: 6 - (2 + 0.75 * 2 + 0.25 * 1 + 0.5 * 3) = 0.75; B: 6 - (0.25 * 3 + 0.5 * 5) = 2.75.
+    use kvrouter_core::policy::{Candidate, CostConfig, score};
+    let cfg = CostConfig {
+        shared_cache_multiplier: 0.5,
+        ..CostConfig::default()
+    };
+    let cand = |w: WorkerDp| Candidate {
+        worker: w,
+        device_overlap_blocks: device.get(w),
+        host_overlap_blocks: tiers.get(w).host,
+        disk_overlap_blocks: tiers.get(w).disk,
+        shared_beyond_blocks: tiers.shared_beyond(device.get(w)),
+        ..Default::default()
+    };
+    let s = score(&cfg, 6 * 16, 16, &[cand(wa), cand(wb)]);
+    assert!(
+        (s[0].adjusted_prefill_blocks - 0.75).abs() < 1e-9,
+        "{:?}",
+        s[0]
+    );
+    assert!(
+        (s[1].adjusted_prefill_blocks - 2.75).abs() < 1e-9,
+        "{:?}",
+        s[1]
+    );
+    assert!((s[1].credits.shared - 2.5).abs() < 1e-9);
+    // A `cache_owner` clear empties the pool and leaves the workers' tiers.
+    idx.apply(pool(KvCacheEvent::cleared(2, 0))).unwrap();
+    let (_, tiers) = tiers_of(&idx, &ls);
+    assert_eq!(tiers.shared_beyond(0), 0);
+    assert_eq!(tiers.get(wa), TierOverlap { host: 2, disk: 1 });
+}

@@ -439,7 +439,7 @@ fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
     assert_eq!(tiered(&reference, &q), expected);
     let st = ingest.stats();
     assert_eq!(
-        (st.engine_unknown_medium, st.skipped, st.rejected),
+        (st.engine_unknown_medium, st.pool_events, st.rejected),
         (2, 0, 0),
         "{st:?}"
     );

@@ -54,8 +54,9 @@
 //! The tree above is the **device** tier. Events of the lower tiers (host-pinned, disk,
 //! external) are kept beside it ([`tiers`]) and never change a device score; a device
 //! `Cleared` clears the worker's lower tiers too, a lower-tier `Cleared` only its tier, and
-//! [`Index::remove_worker`] all of them. Callers apply only worker-owned events
-//! ([`RouterEvent::is_worker_owned`]).
+//! [`Index::remove_worker`] all of them. Shared-pool events (residency `cache_owner`,
+//! not [`RouterEvent::is_worker_owned`]) are kept beside them too, in the
+//! [`TreeIndex`] only (`tiers`, "The shared pool"); other indexes take worker-owned events.
 
 pub mod approx;
 pub mod ops;

@@ -48,6 +48,29 @@
 //! A block moving between tiers is two events (stored on one, removed from the other, in
 //! either order); each tier keeps its own copy, so an offload, an onload or an eviction
 //! from one tier never loses the others'.
+//!
+//! # The shared pool
+//!
+//! A shared pool is a cache that every worker can read (SGLang's HiCache L3 storage, an
+//! LMCache server, a Mooncake store). Dynamo 1.6.1's cost credits it as
+//! `shared_cache_multiplier × shared_beyond_blocks`, where `shared_beyond_blocks` is how
+//! many of the request's block positions **at or past the worker's device overlap** the
+//! pool holds, counted whether or not they are contiguous (`SharedCacheHits::hits_beyond`
+//! in `protocols.rs`; `selector/reference.rs` scores it). Dynamo learns which positions the
+//! pool holds from a query to SGLang workers per request (`--shared-cache-type hicache`).
+//!
+//! kvrouter learns it from the KV events of the pool itself: events whose residency domain
+//! is `cache_owner` (Dynamo's wire name for blocks owned by a cache rather than by a
+//! worker's serving lifetime) are kept here, keyed by path hash like the lower tiers, per
+//! publishing source (the event's worker id and dp rank), and never make their publisher a
+//! routing candidate. Every worker reads every pool block. Dynamo 1.6.1 itself files
+//! `cache_owner` blocks under the lower tier they name and credits them to the one worker
+//! its discovery layer attaches the owner to; a fleet whose owners are private to one
+//! worker should leave `shared_cache_multiplier` at its default, 0, which turns the credit
+//! off. A pool chain's parent is the source's pool block of that name, else the source's
+//! own block on any tier; a worker-scoped clear or restart of the source keeps its pool
+//! blocks (as Dynamo's scoped clear keeps cache-owner residency), a `cache_owner` clear
+//! drops them, and so does the source leaving the fleet.
 
 use std::collections::HashMap;
 
@@ -86,10 +109,15 @@ impl TierOverlap {
     }
 }
 
-/// Per worker, its [`TierOverlap`] when not zero, sorted by worker.
+/// Per worker, its [`TierOverlap`] when not zero, sorted by worker; and the request's
+/// shared-pool blocks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TierScores {
     scores: Vec<(WorkerDp, TierOverlap)>,
+    /// Before [`Self::finish`]: per request position, 1 where a shared pool holds it (each
+    /// shard marks its pool's). After: the pool blocks at or past each position, one entry
+    /// more than the request has positions. Empty when no pool holds any.
+    shared: Vec<u32>,
 }
 
 impl TierScores {
@@ -101,6 +129,15 @@ impl TierScores {
     /// Empties it, keeping its memory.
     pub fn clear(&mut self) {
         self.scores.clear();
+        self.shared.clear();
+    }
+
+    /// Marks request position `i` of `n` as held by a shared pool.
+    fn mark_shared(&mut self, i: usize, n: usize) {
+        if self.shared.len() < n {
+            self.shared.resize(n, 0);
+        }
+        self.shared[i] = 1;
     }
 
     /// Adds a worker's overlap (zero ones are left out); call [`Self::finish`] after.
@@ -110,9 +147,23 @@ impl TierScores {
         }
     }
 
-    /// Sorts what was pushed.
+    /// Sorts what was pushed and counts the shared-pool blocks past each position.
     pub fn finish(&mut self) {
         self.scores.sort_unstable_by_key(|&(w, _)| w);
+        if self.shared.iter().all(|&x| x == 0) {
+            self.shared.clear();
+            return;
+        }
+        self.shared.push(0);
+        for i in (0..self.shared.len() - 1).rev() {
+            self.shared[i] += self.shared[i + 1];
+        }
+    }
+
+    /// Shared-pool blocks of the request at position `from` or later (Dynamo's
+    /// `hits_beyond`): a worker's `shared_beyond_blocks` with `from` its device overlap.
+    pub fn shared_beyond(&self, from: u32) -> u32 {
+        self.shared.get(from as usize).copied().unwrap_or(0)
     }
 
     /// A worker's overlap (zero when absent).
@@ -127,9 +178,9 @@ impl TierScores {
         &self.scores
     }
 
-    /// Whether no worker has a lower-tier overlap.
+    /// Whether no worker has a lower-tier overlap and no shared pool holds a request block.
     pub fn is_empty(&self) -> bool {
-        self.scores.is_empty()
+        self.scores.is_empty() && self.shared.is_empty()
     }
 
     /// Every worker with a device or a lower-tier overlap, with both: first those of
@@ -157,6 +208,63 @@ pub struct LowerTiers {
     names: Map<WorkerDp, [Map<u64, u64>; 3]>,
     blocks: usize,
     orphans: u64,
+    pool: SharedPool,
+}
+
+/// The shared-pool blocks of one shard's sources (see the [module docs](self)).
+#[derive(Debug, Default)]
+struct SharedPool {
+    /// Path hash -> how many sources hold it.
+    paths: Map<u64, u32>,
+    /// Per source: engine name -> path hash.
+    names: Map<WorkerDp, Map<u64, u64>>,
+    blocks: usize,
+}
+
+impl SharedPool {
+    fn hold(&mut self, source: WorkerDp, name: u64, path: u64) {
+        match self.names.entry(source).or_default().insert(name, path) {
+            Some(old) if old == path => return,
+            Some(old) => self.release(old),
+            None => self.blocks += 1,
+        }
+        *self.paths.entry(path).or_default() += 1;
+    }
+
+    fn release(&mut self, path: u64) {
+        if let Some(n) = self.paths.get_mut(&path) {
+            *n -= 1;
+            if *n == 0 {
+                self.paths.remove(&path);
+            }
+        }
+    }
+
+    fn remove(&mut self, source: WorkerDp, names: &[SequenceBlockHash]) -> usize {
+        let Some(held) = self.names.get_mut(&source) else {
+            return 0;
+        };
+        let gone: Vec<u64> = names.iter().filter_map(|n| held.remove(&n.0)).collect();
+        if held.is_empty() {
+            self.names.remove(&source);
+        }
+        for &path in &gone {
+            self.release(path);
+        }
+        self.blocks -= gone.len();
+        gone.len()
+    }
+
+    fn clear(&mut self, source: WorkerDp) -> usize {
+        let Some(held) = self.names.remove(&source) else {
+            return 0;
+        };
+        for &path in held.values() {
+            self.release(path);
+        }
+        self.blocks -= held.len();
+        held.len()
+    }
 }
 
 impl LowerTiers {
@@ -165,9 +273,59 @@ impl LowerTiers {
         Self::default()
     }
 
-    /// Blocks held on lower tiers, all workers and tiers.
+    /// Blocks held on lower tiers, all workers and tiers, and in shared pools.
     pub fn block_count(&self) -> usize {
-        self.blocks
+        self.blocks + self.pool.blocks
+    }
+
+    /// Shared-pool blocks, all sources.
+    pub fn pool_block_count(&self) -> usize {
+        self.pool.blocks
+    }
+
+    /// The path hash of the shared-pool block `source` names `name`.
+    pub fn pool_path_of(&self, source: WorkerDp, name: SequenceBlockHash) -> Option<u64> {
+        self.pool.names.get(&source)?.get(&name.0).copied()
+    }
+
+    /// Stores a chain of `source`'s shared pool under the block whose path hash is
+    /// `parent_path` (`None`: the root); returns how many blocks are new.
+    pub fn pool_store(
+        &mut self,
+        source: WorkerDp,
+        parent_path: Option<u64>,
+        blocks: &[(LocalBlockHash, SequenceBlockHash)],
+    ) -> usize {
+        let before = self.pool.blocks;
+        let mut parent = parent_path;
+        for &(local, name) in blocks {
+            let path = match parent {
+                None => local.0,
+                Some(p) => next_sequence_hash(SequenceBlockHash(p), local).0,
+            };
+            self.pool.hold(source, name.0, path);
+            parent = Some(path);
+        }
+        self.pool.blocks - before
+    }
+
+    /// Drops the named blocks of `source`'s shared pool; returns how many it held.
+    pub fn pool_remove(&mut self, source: WorkerDp, names: &[SequenceBlockHash]) -> usize {
+        self.pool.remove(source, names)
+    }
+
+    /// Drops every shared-pool block of `source`; returns how many.
+    pub fn pool_clear(&mut self, source: WorkerDp) -> usize {
+        self.pool.clear(source)
+    }
+
+    /// `source`'s shared-pool blocks as `(name, path hash)`.
+    pub fn pool_blocks_of(&self, source: WorkerDp) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.pool
+            .names
+            .get(&source)
+            .into_iter()
+            .flat_map(|m| m.iter().map(|(&name, &path)| (name, path)))
     }
 
     /// Lower-tier chains not indexed because their parent was held on no tier.
@@ -303,10 +461,23 @@ impl LowerTiers {
         n
     }
 
-    /// Drops every worker that `which` selects, on every tier; returns the blocks dropped.
+    /// Drops every worker that `which` selects, on every tier and as a shared-pool source;
+    /// returns the blocks dropped.
     pub fn remove_where(&mut self, which: impl Fn(WorkerDp) -> bool) -> usize {
         let gone: Vec<WorkerDp> = self.names.keys().copied().filter(|&w| which(w)).collect();
-        gone.into_iter().map(|w| self.clear(w, None)).sum()
+        let sources: Vec<WorkerDp> = self
+            .pool
+            .names
+            .keys()
+            .copied()
+            .filter(|&w| which(w))
+            .collect();
+        let tiers: usize = gone.into_iter().map(|w| self.clear(w, None)).sum();
+        tiers
+            + sources
+                .into_iter()
+                .map(|w| self.pool.clear(w))
+                .sum::<usize>()
     }
 
     fn holds(&self, tier: usize, path: u64, worker: WorkerDp) -> bool {
@@ -319,6 +490,13 @@ impl LowerTiers {
     /// hashes are `paths`, given every worker's device scores `device`. Call
     /// [`TierScores::finish`] once every shard has added its part.
     pub fn overlaps_into(&self, paths: &[u64], device: &OverlapScores, out: &mut TierScores) {
+        if self.pool.blocks > 0 {
+            for (i, p) in paths.iter().enumerate() {
+                if self.pool.paths.contains_key(p) {
+                    out.mark_shared(i, paths.len());
+                }
+            }
+        }
         if self.blocks == 0 || paths.is_empty() {
             return;
         }
@@ -421,6 +599,69 @@ mod tests {
         assert_eq!(t.clear(A, None), 4);
         assert_eq!(t.remove_where(|w| w == B), 2);
         assert_eq!(t.block_count(), 0);
+    }
+
+    #[test]
+    fn the_shared_pool_counts_its_blocks_past_each_device_prefix() {
+        let q = l(&[1, 2, 3, 4, 5, 6]);
+        let paths: Vec<u64> = sequence_hashes(&q).into_iter().map(|s| s.0).collect();
+        let mut t = LowerTiers::new();
+        // Source A's pool holds q[0..5); then q[1] goes: the pool's hits are sparse
+        // (positions 0, 2, 3, 4), as Dynamo's `SharedCacheHits` ranges may be.
+        assert_eq!(t.pool_store(A, None, &chain(&q[..5], 100)), 5);
+        assert_eq!(t.pool_remove(A, &[SequenceBlockHash(101)]), 1);
+        // Source B holds q[3] under A's path for q[2] (resolved by the writer) and q[5].
+        assert_eq!(t.pool_store(B, Some(paths[2]), &chain(&q[3..6], 203)), 3);
+        assert_eq!((t.pool_block_count(), t.block_count()), (7, 7));
+        let device: OverlapScores = [(A, 3)].into_iter().collect();
+        let mut out = TierScores::new();
+        t.overlaps_into(&paths, &device, &mut out);
+        out.finish();
+        // Hits at 0, 2, 3, 4, 5: five from the start, three past a 3-block device prefix.
+        assert_eq!(out.shared_beyond(0), 5);
+        assert_eq!(out.shared_beyond(1), 4);
+        assert_eq!(out.shared_beyond(3), 3);
+        assert_eq!(out.shared_beyond(6), 0);
+        assert_eq!(out.shared_beyond(99), 0);
+        // No worker tier overlap: the pool alone makes the scores non-empty.
+        assert_eq!(out.get(A), TierOverlap::default());
+        assert!(!out.is_empty());
+        // A path two sources hold stays until both let it go.
+        assert_eq!(t.pool_clear(B), 3);
+        let mut out = TierScores::new();
+        t.overlaps_into(&paths, &device, &mut out);
+        out.finish();
+        assert_eq!(out.shared_beyond(0), 4);
+        // A worker-scoped clear of the source keeps its pool; its leaving drops it.
+        assert_eq!(t.clear(A, None), 0);
+        assert_eq!(t.pool_block_count(), 4);
+        assert_eq!(t.remove_where(|w| w == A), 4);
+        assert_eq!(t.block_count(), 0);
+        let mut out = TierScores::new();
+        t.overlaps_into(&paths, &device, &mut out);
+        out.finish();
+        assert!(out.is_empty());
+        assert_eq!(out.shared_beyond(0), 0);
+    }
+
+    #[test]
+    fn shared_pool_hits_from_several_shards_are_counted_once() {
+        let q = l(&[1, 2, 3]);
+        let paths: Vec<u64> = sequence_hashes(&q).into_iter().map(|s| s.0).collect();
+        let (mut s1, mut s2) = (LowerTiers::new(), LowerTiers::new());
+        s1.pool_store(A, None, &chain(&q[..2], 10));
+        s2.pool_store(B, None, &chain(&q, 20));
+        let mut out = TierScores::new();
+        s1.overlaps_into(&paths, &OverlapScores::new(), &mut out);
+        s2.overlaps_into(&paths, &OverlapScores::new(), &mut out);
+        out.finish();
+        assert_eq!(out.shared_beyond(0), 3);
+        assert_eq!(out.shared_beyond(2), 1);
+        // Reused after a clear.
+        out.clear();
+        s1.overlaps_into(&paths, &OverlapScores::new(), &mut out);
+        out.finish();
+        assert_eq!(out.shared_beyond(0), 2);
     }
 
     #[test]

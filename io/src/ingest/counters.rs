@@ -101,8 +101,11 @@ stats! {
     restarts,
     /// Workers removed (silence, missed heartbeats, leaving).
     workers_removed,
-    /// Events skipped: not owned by a worker (a shared pool's, `cache_owner`).
-    skipped,
+    /// Shared-pool events (`cache_owner`) applied to the pool beside the index.
+    pool_events,
+    /// Events of a residency domain this build does not know (neither `worker` nor
+    /// `cache_owner`): skipped.
+    unknown_domain_events,
     /// Events for a worker never seen that would have left it with no block (a removal,
     /// a clear, a rejected or empty store): ignored, so that they create no worker.
     unknown_worker_events,

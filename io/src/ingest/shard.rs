@@ -278,10 +278,23 @@ impl ShardCore {
 
     pub(super) fn handle(&mut self, e: RouterEvent, publisher: u64) {
         // Every tier of a worker's own cache is indexed (lower tiers beside the tree, see
-        // `kvrouter_core::index::tiers`); a shared pool's events (`cache_owner`) are not.
+        // `kvrouter_core::index::tiers`), and so is a shared pool's (`cache_owner`), which
+        // makes no worker known and has no event-id bookkeeping: its order is its
+        // publisher's, and a gap in it can only leave a credit out.
         // The tiers of one worker share its event ids: one publisher numbers them all.
         if !e.is_worker_owned() {
-            self.stats.skipped += 1;
+            if !e.is_shared_pool() {
+                self.stats.unknown_domain_events += 1;
+                crate::warn_throttled!(source = %e.worker(), "event of an unknown residency domain skipped");
+                return;
+            }
+            match self.writer.apply_event(&e) {
+                Ok(_) => self.stats.pool_events += 1,
+                Err(err) => {
+                    self.stats.rejected += 1;
+                    crate::warn_throttled!(source = %e.worker(), error = %err, "shared-pool event rejected");
+                }
+            }
             return;
         }
         if let Some(queue) = self.recovering.get_mut(&e.worker_id) {

@@ -44,6 +44,10 @@ struct OverlapEntry {
     /// Disk (then external) blocks continuing it past that (left out when 0).
     #[serde(skip_serializing_if = "is_zero")]
     disk_blocks: u32,
+    /// Shared-pool blocks at or past its device prefix, what its shared credit counts
+    /// (left out when 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    shared_blocks: u32,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -255,12 +259,16 @@ impl State {
                 blocks,
                 host_blocks: t.host,
                 disk_blocks: t.disk,
+                shared_blocks: tiers.shared_beyond(blocks),
             })
             .collect();
-        Response::json(
-            200,
-            serde_json::to_vec(&serde_json::json!({ "overlaps": list })).unwrap_or_default(),
-        )
+        // Every worker reads the pool: one not listed has all of the request's pool blocks
+        // past its (empty) device prefix, the top-level figure.
+        let body = match tiers.shared_beyond(0) {
+            0 => serde_json::json!({ "overlaps": list }),
+            shared => serde_json::json!({ "overlaps": list, "shared_blocks": shared }),
+        };
+        Response::json(200, serde_json::to_vec(&body).unwrap_or_default())
     }
 
     fn replicate(

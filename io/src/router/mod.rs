@@ -8,7 +8,7 @@
 //! | endpoint | what |
 //! |---|---|
 //! | `POST /v1/route` | `{"token_ids": [...]}` or `{"block_hashes": [...]}`, optional `lora_name`, `request_id`, `explain` → `{"worker_id", "dp_rank", "overlap_blocks", "request_id"}` (+ `candidates` with their cost terms and each tier's credit, `credits: {device, host, disk, shared}`, when `explain`). Binary framing: `Content-Type: application/x-kvrouter-block-hashes`, the body the local block hashes as little-endian u64s, `X-Request-Id` / `X-Lora-Name` headers |
-//! | `POST /v1/overlaps` | same input → `{"overlaps": [{"worker_id", "dp_rank", "blocks", "host_blocks"?, "disk_blocks"?}]}`: device blocks from the start (find_matches without early exit), then how far host memory, then disk and external storage continue the prefix (each left out when 0); workers with any positive count only |
+//! | `POST /v1/overlaps` | same input → `{"overlaps": [{"worker_id", "dp_rank", "blocks", "host_blocks"?, "disk_blocks"?, "shared_blocks"?}], "shared_blocks"?}`: device blocks from the start (find_matches without early exit), then how far host memory, then disk and external storage continue the prefix, then the shared pool's blocks at or past the device prefix (each left out when 0); workers with any positive device or lower-tier count only; the top-level `shared_blocks` is the request's pool blocks (what an unlisted worker is credited with) |
 //! | `POST /v1/requests/{id}/first_token` | the request's prefill is done: its prefill tokens are released |
 //! | `POST /v1/requests/{id}/free` | the request finished: its slots are released |
 //! | `GET /v1/workers` | workers, dp ranks, cached blocks, last applied event id, loads |

@@ -331,6 +331,14 @@ impl ShardWriter {
         guard: &Guard,
     ) -> Result<ApplyOutcome, ApplyError> {
         let worker = event.worker();
+        if !event.is_worker_owned() {
+            // A residency domain this build does not know: nothing to index (the ingest
+            // counts it before it gets here).
+            if !event.is_shared_pool() {
+                return Ok(ApplyOutcome::default());
+            }
+            return Ok(self.apply_pool(worker, &event.event.data, guard));
+        }
         let slot = self.slot_for(worker, guard);
         let event_id = event.event.event_id;
         self.state(slot).last_event_id = Some(event_id);
