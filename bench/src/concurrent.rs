@@ -76,6 +76,38 @@ pub struct ConcurrentReport {
     pub lookup_p99_ns: u64,
     /// Lookup latency, 99.9th percentile, ns.
     pub lookup_p999_ns: u64,
+    /// CPU time the reader threads got while the writers ran, seconds, all readers
+    /// (`/proc/thread-self/stat`, 10 ms ticks). With more threads than cores the readers'
+    /// share of the cores depends on how the writers run (spinning or blocking), so
+    /// lookups/s compares indexes and scheduling together; this separates the two.
+    pub reader_cpu_s: f64,
+    /// Lookups per second of reader CPU time: the lookup's own cost, whatever share of the
+    /// cores the readers got.
+    pub lookups_per_reader_cpu_s: f64,
+    /// CPU time of the whole process over the run, seconds (`/proc/self/stat`).
+    pub process_cpu_s: f64,
+}
+
+/// CPU time (user + system) in `/proc/.../stat` form, seconds; 0 where unreadable.
+fn cpu_seconds(stat_path: &str) -> f64 {
+    std::fs::read_to_string(stat_path).map_or(0.0, |s| stat_cpu_seconds(&s))
+}
+
+/// User + system CPU seconds of one `/proc/.../stat` line.
+fn stat_cpu_seconds(stat: &str) -> f64 {
+    // The fields after the command name, which ends at the last ')': state is field 3,
+    // utime 14 and stime 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        f.get(i - 3)
+            .and_then(|x| x.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // CLK_TCK is 100 on every Linux target we run on.
+    (ticks(14) + ticks(15)) as f64 / 100.0
 }
 
 /// Runs `readers` lookup threads over `queries` while `write` runs on the calling thread;
@@ -104,7 +136,8 @@ where
 {
     let done = AtomicBool::new(false);
     let barrier = Barrier::new(readers + 1);
-    let (elapsed, samples) = std::thread::scope(|s| {
+    let process_before = cpu_seconds("/proc/self/stat");
+    let (elapsed, samples, reader_cpu) = std::thread::scope(|s| {
         let handles: Vec<_> = (0..readers)
             .map(|r| {
                 let (done, barrier, lookup) = (&done, &barrier, &lookup);
@@ -113,6 +146,7 @@ where
                     let mut out = OverlapScores::new();
                     let mut i = r * 997;
                     barrier.wait();
+                    let cpu_before = cpu_seconds("/proc/thread-self/stat");
                     while !done.load(Ordering::Acquire) && !queries.is_empty() {
                         let query = &queries[i % queries.len()];
                         prefetch_slice(&queries[(i + 1) % queries.len()]);
@@ -121,18 +155,22 @@ where
                         lat.push(t.elapsed().as_nanos() as u64);
                         i += 1;
                     }
-                    lat
+                    (lat, cpu_seconds("/proc/thread-self/stat") - cpu_before)
                 })
             })
             .collect();
         let elapsed = write(&barrier);
         done.store(true, Ordering::Release);
-        let samples: Vec<u64> = handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("reader"))
-            .collect();
-        (elapsed, samples)
+        let mut cpu = 0.0;
+        let mut samples = Vec::new();
+        for h in handles {
+            let (lat, c) = h.join().expect("reader");
+            samples.extend(lat);
+            cpu += c;
+        }
+        (elapsed, samples, cpu)
     });
+    let process_cpu = cpu_seconds("/proc/self/stat") - process_before;
     let mut samples = samples;
     samples.sort_unstable();
     let secs = elapsed.as_secs_f64().max(1e-9);
@@ -152,6 +190,13 @@ where
         lookup_p50_ns: percentile(&samples, 0.50),
         lookup_p99_ns: percentile(&samples, 0.99),
         lookup_p999_ns: percentile(&samples, 0.999),
+        reader_cpu_s: reader_cpu,
+        lookups_per_reader_cpu_s: if reader_cpu > 0.0 {
+            samples.len() as f64 / reader_cpu
+        } else {
+            0.0
+        },
+        process_cpu_s: process_cpu,
     }
 }
 
@@ -223,6 +268,17 @@ mod tests {
         let bytes = include_bytes!("../data/sample_w4.jsonl.zst");
         LoadedLog::from_reader(LogReader::from_bytes("sample_w4", bytes).expect("sample"))
             .expect("parse")
+    }
+
+    #[test]
+    fn cpu_time_is_read_after_the_command_name() {
+        // A command name may hold spaces and parentheses; utime and stime are fields 14
+        // and 15, in ticks of 10 ms.
+        let line = "42 (a (b) c) R 1 2 3 4 5 6 7 8 9 10 250 130 0 0 20 0 1 0";
+        assert!((stat_cpu_seconds(line) - 3.8).abs() < 1e-9);
+        assert_eq!(stat_cpu_seconds("garbage"), 0.0);
+        assert_eq!(stat_cpu_seconds("1 (x) R"), 0.0);
+        assert!(cpu_seconds("/proc/self/stat") >= 0.0);
     }
 
     #[test]

@@ -645,7 +645,8 @@ fn print_perf(r: &PerfReport) {
 fn print_concurrent(r: &ConcurrentReport) {
     println!(
         "{} ({} writers, {} readers): {:.2} M event blocks/s ({:.0} events/s) in {:.3} s; \
-         {:.0} lookups/s, p50/p99/p999 {}/{}/{} ns",
+         {:.0} lookups/s, p50/p99/p999 {}/{}/{} ns; readers got {:.2} CPU-s \
+         ({:.0} lookups per reader CPU-s), the process {:.2} CPU-s",
         r.index,
         r.writers,
         r.readers,
@@ -655,7 +656,10 @@ fn print_concurrent(r: &ConcurrentReport) {
         r.lookups_per_s,
         r.lookup_p50_ns,
         r.lookup_p99_ns,
-        r.lookup_p999_ns
+        r.lookup_p999_ns,
+        r.reader_cpu_s,
+        r.lookups_per_reader_cpu_s,
+        r.process_cpu_s
     );
 }
 
@@ -686,6 +690,7 @@ struct Summary {
     find_p99: Option<f64>,
     event_blocks: Option<f64>,
     lookups: Option<f64>,
+    lookups_per_cpu: Option<f64>,
     lookup_p99: Option<f64>,
 }
 
@@ -695,21 +700,22 @@ fn print_summary(rows: &[Summary], runs: usize) {
         "\n## Summary: tree over Dynamo, every log (medians of {runs} runs; targets: ≥ 3, ≥ 3, ≤ 0.5, ≤ 0.5, ≥ 3, ≥ 3, ≤ 0.5)\n"
     );
     println!(
-        "| log | block ops/s vs RadixTree | heap bytes/block | RSS bytes/block | find p99 | event blocks/s vs CRTC | lookups/s | lookup p99 |"
+        "| log | block ops/s vs RadixTree | heap bytes/block | RSS bytes/block | find p99 | event blocks/s vs CRTC | lookups/s | lookups per reader CPU-s | lookup p99 |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let name = Path::new(&r.log)
             .file_name()
             .map_or(r.log.clone(), |n| n.to_string_lossy().into_owned());
         println!(
-            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} |",
             x(r.block_ops),
             x(r.heap_per_block),
             x(r.rss_per_block),
             x(r.find_p99),
             x(r.event_blocks),
             x(r.lookups),
+            x(r.lookups_per_cpu),
             x(r.lookup_p99)
         );
     }
@@ -829,15 +835,18 @@ fn compare(
         "\n## Concurrent mode ({writers} writers, {readers} readers, {passes} passes over the events; median of {runs} runs)\n"
     );
     println!(
-        "| index | M event blocks/s | events/s | lookups/s | lookup p50 ns | p99 ns | p999 ns |"
+        "| index | M event blocks/s | events/s | lookups/s | reader CPU-s | lookups per reader CPU-s | process CPU-s | lookup p50 ns | p99 ns | p999 ns |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, vs) in &conc {
         println!(
-            "| {name} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            "| {name} | {:.2} | {:.0} | {:.0} | {:.2} | {:.0} | {:.2} | {:.0} | {:.0} | {:.0} |",
             med(vs, "event_blocks_per_s") / 1e6,
             med(vs, "events_per_s"),
             med(vs, "lookups_per_s"),
+            med(vs, "reader_cpu_s"),
+            med(vs, "lookups_per_reader_cpu_s"),
+            med(vs, "process_cpu_s"),
             med(vs, "lookup_p50_ns"),
             med(vs, "lookup_p99_ns"),
             med(vs, "lookup_p999_ns"),
@@ -846,6 +855,12 @@ fn compare(
     println!();
     summary.event_blocks = ratio(&conc, "dynamo-crtc", "event_blocks_per_s", "event blocks/s");
     summary.lookups = ratio(&conc, "dynamo-crtc", "lookups_per_s", "lookups/s");
+    summary.lookups_per_cpu = ratio(
+        &conc,
+        "dynamo-crtc",
+        "lookups_per_reader_cpu_s",
+        "lookups per reader CPU-second",
+    );
     summary.lookup_p99 = ratio(&conc, "dynamo-crtc", "lookup_p99_ns", "lookup p99");
     Ok(summary)
 }
