@@ -1,7 +1,8 @@
 //! Lower storage tiers: the tree's path-keyed tiers against the reference index's literal
 //! Dynamo edges (`(parent engine name, local) -> child`, followed from the last device
-//! block), over random sequences of device and lower-tier stores, removals, clears and
-//! worker removals, with one shard and with two. Engines name blocks by content here (a
+//! block), over random sequences of device, lower-tier and shared-pool (`cache_owner`)
+//! stores, removals, clears and worker removals, with one shard and with two; the pool
+//! against the reference's per-source map of names to full paths. Engines name blocks by content here (a
 //! block's name is a function of its path, the same on every tier), which is where the two
 //! models agree by design (see `kvrouter_core::index::tiers`). The ops are
 //! `kvrouter_core::index::ops::TierOp`, which the fuzz target `index_tiers` decodes too.
@@ -45,11 +46,11 @@ fn event(worker: u8, tier: u8, data: KvCacheEvent) -> RouterEvent {
 fn op() -> impl Strategy<Value = TierOp> {
     let path = || proptest::collection::vec(0..3u8, 1..=6);
     prop_oneof![
-        6 => (0..3u8, 0..4u8, path(), 0..6u8)
+        6 => (0..3u8, 0..5u8, path(), 0..6u8)
             .prop_map(|(worker, tier, path, from)| TierOp::Store { worker, tier, path, from }),
-        3 => (0..3u8, 0..4u8, path(), 0..6u8)
+        3 => (0..3u8, 0..5u8, path(), 0..6u8)
             .prop_map(|(worker, tier, path, at)| TierOp::Remove { worker, tier, path, at }),
-        1 => (0..3u8, 0..4u8).prop_map(|(worker, tier)| TierOp::Clear { worker, tier }),
+        1 => (0..3u8, 0..5u8).prop_map(|(worker, tier)| TierOp::Clear { worker, tier }),
         1 => (0..3u8).prop_map(|worker| TierOp::RemoveWorker { worker }),
         4 => proptest::collection::vec(0..3u8, 0..=7).prop_map(|path| TierOp::Query { path }),
     ]

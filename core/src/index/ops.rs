@@ -289,7 +289,7 @@ pub fn op_worker(op: &Op) -> Option<WorkerDp> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TierOp {
     /// Stores `path[from..]` under `path[..from]` on `tier` (0 the device, 1 host, 2 disk,
-    /// 3 external).
+    /// 3 external, 4 the worker's shared pool: a `cache_owner` event of that source).
     Store {
         /// Worker number.
         worker: u8,
@@ -341,7 +341,7 @@ pub fn content_name(path: &[u8]) -> SequenceBlockHash {
 impl TierOp {
     /// The event this op stands for (`None` for a query or a worker removal).
     pub fn to_event(&self) -> Option<RouterEvent> {
-        let tier = |t: u8| crate::worker::StorageTier::ALL[(t % 4) as usize];
+        let tier = |t: u8| crate::worker::StorageTier::ALL[(t % 5).min(3) as usize];
         let (worker, t, data) = match self {
             TierOp::Store {
                 worker,
@@ -370,6 +370,9 @@ impl TierOp {
         };
         let mut e = RouterEvent::new(u64::from(worker), data);
         e.storage_tier = tier(t);
+        if t % 5 == 4 {
+            e.residency_domain = Some(crate::event::ResidencyDomain::CacheOwner);
+        }
         Some(e)
     }
 
@@ -386,7 +389,8 @@ impl TierOp {
         }
         let tag = take(data)?;
         let worker = (tag >> 4) % TIER_WORKERS;
-        let tier = (tag >> 2) & 3;
+        // Bit 7 of a store or removal moves its tier up one (tier 4: the shared pool).
+        let tier = ((tag >> 2) & 3) + u8::from(tag & 0x80 != 0 && tag & 3 < 2);
         Some(match tag & 3 {
             0 => TierOp::Store {
                 worker,

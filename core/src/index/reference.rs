@@ -101,6 +101,10 @@ struct WorkerState {
     last_event_id: Option<u64>,
     /// Host-pinned, disk, external.
     lower: [Edges; 3],
+    /// Per lower-tier block name, the local hashes from the root to it as they were when
+    /// it was stored (what the tree's path hash stands for), for shared-pool chains that
+    /// hang under it.
+    lower_paths: HashMap<SequenceBlockHash, Vec<LocalBlockHash>>,
 }
 
 type EdgeKey = (Option<SequenceBlockHash>, LocalBlockHash);
@@ -131,6 +135,9 @@ impl Edges {
 pub struct ReferenceIndex {
     paths: Paths,
     workers: BTreeMap<WorkerDp, WorkerState>,
+    /// Shared pools (`cache_owner` events), per source: block name -> the local hashes
+    /// from the root to it. A source is not a worker.
+    pool: BTreeMap<WorkerDp, HashMap<SequenceBlockHash, Vec<LocalBlockHash>>>,
 }
 
 impl ReferenceIndex {
@@ -233,7 +240,12 @@ impl ReferenceIndex {
 
     /// A lower-tier event (tier `t`): Dynamo's edges, with our rule for orphans (a chain
     /// whose parent the worker holds on no tier is not indexed).
-    fn apply_lower(w: &mut WorkerState, t: usize, data: &KvEventData) -> ApplyOutcome {
+    fn apply_lower(
+        paths: &Paths,
+        w: &mut WorkerState,
+        t: usize,
+        data: &KvEventData,
+    ) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
         match data {
             KvEventData::Stored(s) => {
@@ -243,6 +255,14 @@ impl ReferenceIndex {
                     if !known {
                         return out;
                     }
+                }
+                let mut path = match s.parent_hash {
+                    None => Vec::new(),
+                    Some(p) => Self::path_of_name(paths, w, p).unwrap_or_default(),
+                };
+                for b in &s.blocks {
+                    path.push(b.tokens_hash);
+                    w.lower_paths.insert(b.block_hash, path.clone());
                 }
                 let edges = &mut w.lower[t];
                 let mut cur = s.parent_hash;
@@ -278,8 +298,82 @@ impl ReferenceIndex {
         out
     }
 
+    /// The local hashes from the root to the block `w` names `name`: its device block's
+    /// path now, else its lower-tier block's path when stored.
+    fn path_of_name(
+        paths: &Paths,
+        w: &WorkerState,
+        name: SequenceBlockHash,
+    ) -> Option<Vec<LocalBlockHash>> {
+        if let Some(&id) = w.by_hash.get(&name) {
+            let mut rev = Vec::new();
+            let mut x = id;
+            while x != ROOT {
+                rev.push(paths.local(x));
+                x = paths.parent(x);
+            }
+            rev.reverse();
+            return Some(rev);
+        }
+        if w.lower.iter().any(|e| e.key_of.contains_key(&name)) {
+            return w.lower_paths.get(&name).cloned();
+        }
+        None
+    }
+
+    /// A shared-pool event of `source`: a chain hangs under the source's pool block of the
+    /// parent's name, else under its own block of that name on any tier, else is dropped
+    /// (an orphan), as in the tree ([`crate::index::tiers`], "The shared pool").
+    fn apply_pool(&mut self, source: WorkerDp, data: &KvEventData) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        match data {
+            KvEventData::Stored(s) => {
+                let parent = match s.parent_hash {
+                    None => Some(Vec::new()),
+                    Some(p) => self
+                        .pool
+                        .get(&source)
+                        .and_then(|m| m.get(&p).cloned())
+                        .or_else(|| {
+                            let w = self.workers.get(&source)?;
+                            Self::path_of_name(&self.paths, w, p)
+                        }),
+                };
+                let Some(mut path) = parent else {
+                    return out;
+                };
+                let held = self.pool.entry(source).or_default();
+                for b in &s.blocks {
+                    path.push(b.tokens_hash);
+                    match held.insert(b.block_hash, path.clone()) {
+                        Some(old) if old == path => out.duplicate += 1,
+                        _ => out.stored += 1,
+                    }
+                }
+            }
+            KvEventData::Removed(r) => {
+                if let Some(held) = self.pool.get_mut(&source) {
+                    for h in &r.block_hashes {
+                        match held.remove(h) {
+                            Some(_) => out.removed += 1,
+                            None => out.not_found += 1,
+                        }
+                    }
+                    if held.is_empty() {
+                        self.pool.remove(&source);
+                    }
+                }
+            }
+            KvEventData::Cleared => {
+                out.removed = self.pool.remove(&source).map_or(0, |m| m.len() as u32);
+            }
+        }
+        out
+    }
+
     fn clear_state(paths: &mut Paths, w: &mut WorkerState) -> usize {
         w.lower = Default::default();
+        w.lower_paths.clear();
         let n = w.by_path.len();
         for (&p, _) in w.by_path.iter() {
             paths.release(p);
@@ -299,10 +393,16 @@ impl Index for ReferenceIndex {
     fn apply(&mut self, event: RouterEvent) -> Result<ApplyOutcome, ApplyError> {
         let worker = event.worker();
         let event_id = event.event.event_id;
+        if !event.is_worker_owned() {
+            if !event.is_shared_pool() {
+                return Ok(ApplyOutcome::default());
+            }
+            return Ok(self.apply_pool(worker, &event.event.data));
+        }
         let w = self.workers.entry(worker).or_default();
         w.last_event_id = Some(event_id);
         if let Some(t) = lower_index(event.storage_tier) {
-            return Ok(Self::apply_lower(w, t, &event.event.data));
+            return Ok(Self::apply_lower(&self.paths, w, t, &event.event.data));
         }
         match &event.event.data {
             KvEventData::Stored(s) => Self::apply_stored(
@@ -374,6 +474,19 @@ impl Index for ReferenceIndex {
         out: &mut TierScores,
     ) {
         out.clear();
+        // Shared pools: position `i` is a hit when a pool holds the block at `query[..=i]`.
+        if !self.pool.is_empty() {
+            let held: std::collections::HashSet<&[LocalBlockHash]> = self
+                .pool
+                .values()
+                .flat_map(|m| m.values().map(Vec::as_slice))
+                .collect();
+            for i in 0..query.len() {
+                if held.contains(&query[..=i]) {
+                    out.mark_shared(i, query.len());
+                }
+            }
+        }
         for (&worker, w) in &self.workers {
             if w.lower.iter().all(|e| e.child.is_empty()) {
                 continue;
@@ -415,10 +528,12 @@ impl Index for ReferenceIndex {
     }
 
     fn lower_block_count(&self) -> usize {
+        let pool: usize = self.pool.values().map(HashMap::len).sum();
         self.workers
             .values()
             .map(|w| w.lower.iter().map(|e| e.key_of.len()).sum::<usize>())
-            .sum()
+            .sum::<usize>()
+            + pool
     }
 
     fn clear(&mut self, worker: WorkerDp) -> usize {
@@ -439,6 +554,8 @@ impl Index for ReferenceIndex {
             let mut w = self.workers.remove(&k).expect("listed");
             dropped += Self::clear_state(&mut self.paths, &mut w);
         }
+        // A source that leaves takes its pool blocks with it.
+        self.pool.retain(|s, _| s.worker_id != worker_id);
         dropped
     }
 

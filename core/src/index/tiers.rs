@@ -133,7 +133,7 @@ impl TierScores {
     }
 
     /// Marks request position `i` of `n` as held by a shared pool.
-    fn mark_shared(&mut self, i: usize, n: usize) {
+    pub(crate) fn mark_shared(&mut self, i: usize, n: usize) {
         if self.shared.len() < n {
             self.shared.resize(n, 0);
         }
