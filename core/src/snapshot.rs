@@ -32,6 +32,9 @@
 //!     LOWER    (version 2; optional) records of 24 bytes, the lower-tier blocks:
 //!                worker u32 (index into WORKERS), tier u32 (1 host-pinned, 2 disk,
 //!                3 external), engine name u64, path hash u64
+//!     POOL     (version 3; optional) records of 32 bytes, the shared-pool blocks:
+//!                source worker_id u64, source dp_rank u32, reserved u32 (0),
+//!                engine name u64, path hash u64
 //! ```
 //!
 //! Lower-tier blocks are kept as the index keeps them ([`crate::index::tiers`]): a name and
@@ -42,6 +45,10 @@
 //! Version 2 added the LOWER section. A version 1 file still loads: it holds the device
 //! tier only, and lower tiers refill from the engines' events. A version 1 reader refuses a
 //! version 2 file with [`SnapshotError::UnsupportedVersion`] (it would drop the tiers).
+//! Version 3 added the POOL section (shared-pool blocks, [`crate::index::tiers`]), which
+//! names its sources directly: a pool's publisher is no worker, so it has no WORKERS
+//! record. A version 2 file loads with an empty pool (it refills from the pools' events);
+//! a version 2 reader refuses a version 3 file the same way.
 //!
 //! Every length, offset, count and index is checked against the bytes actually present
 //! before it is used; every section's checksum is verified before it is parsed. Any failure
@@ -57,7 +64,7 @@ use crate::worker::{DpRank, StorageTier, WorkerDp, WorkerId};
 /// The first eight bytes of every snapshot.
 pub const MAGIC: [u8; 8] = *b"KVRSNAP\0";
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest format version this build still reads (device tier only).
 pub const OLDEST_READABLE: u32 = 1;
 /// Sections a valid file may declare.
@@ -68,6 +75,7 @@ const ENTRY_LEN: usize = 32;
 const WORKER_LEN: usize = 40;
 const BLOCK_LEN: usize = 16;
 const LOWER_LEN: usize = 24;
+const POOL_LEN: usize = 32;
 
 /// The kinds of section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +89,8 @@ pub enum SectionKind {
     Chains = 3,
     /// Lower-tier blocks (version 2).
     Lower = 4,
+    /// Shared-pool blocks (version 3).
+    Pool = 5,
 }
 
 impl SectionKind {
@@ -90,6 +100,7 @@ impl SectionKind {
             SectionKind::Workers => "workers",
             SectionKind::Chains => "chains",
             SectionKind::Lower => "lower tiers",
+            SectionKind::Pool => "shared pool",
         }
     }
 }
@@ -201,6 +212,18 @@ pub struct WorkerRecord {
     pub heartbeat_ms: u64,
 }
 
+/// One block of a shared pool: its source (the publisher of its `cache_owner` events), its
+/// engine name and the path hash it was placed at ([`crate::index::tiers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolRecord {
+    /// The source.
+    pub source: WorkerDp,
+    /// The engine's name of the block.
+    pub name: u64,
+    /// The router's path hash of the block.
+    pub path: u64,
+}
+
 /// One block a worker holds on a lower tier: its engine name and the path hash it was
 /// placed at ([`crate::index::tiers`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -268,6 +291,17 @@ pub fn encode_with_lower(
     workers: &[WorkerRecord],
     events: &[RouterEvent],
     lower: &[LowerRecord],
+) -> Result<Vec<u8>, SnapshotError> {
+    encode_with_tiers(meta, workers, events, lower, &[])
+}
+
+/// [`encode_with_lower`] with the shared pools' blocks.
+pub fn encode_with_tiers(
+    meta: &SnapshotMeta,
+    workers: &[WorkerRecord],
+    events: &[RouterEvent],
+    lower: &[LowerRecord],
+    pool: &[PoolRecord],
 ) -> Result<Vec<u8>, SnapshotError> {
     let mut meta = meta.clone();
     let mut slot = std::collections::HashMap::with_capacity(workers.len());
@@ -340,11 +374,21 @@ pub fn encode_with_lower(
         put_u64(&mut lsec, r.path);
     }
 
+    let mut psec = Vec::with_capacity(pool.len() * POOL_LEN);
+    for r in pool {
+        put_u64(&mut psec, r.source.worker_id);
+        put_u32(&mut psec, r.source.dp_rank);
+        put_u32(&mut psec, 0);
+        put_u64(&mut psec, r.name);
+        put_u64(&mut psec, r.path);
+    }
+
     let sections = [
         (SectionKind::Meta, msec),
         (SectionKind::Workers, wsec),
         (SectionKind::Chains, csec),
         (SectionKind::Lower, lsec),
+        (SectionKind::Pool, psec),
     ];
     let body_start = HEADER_LEN + ENTRY_LEN * sections.len();
     let total = body_start + sections.iter().map(|(_, s)| s.len()).sum::<usize>();
@@ -430,6 +474,7 @@ pub struct SnapshotView<'a> {
     chain_count: usize,
     blocks: u64,
     lower: &'a [u8],
+    pool: &'a [u8],
     version: u32,
 }
 
@@ -485,7 +530,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
     {
         return Err(SnapshotError::HeaderChecksum);
     }
-    let mut sections: [Option<&[u8]>; 4] = [None; 4];
+    let mut sections: [Option<&[u8]>; 5] = [None; 5];
     let mut t = Cursor::new(&bytes[HEADER_LEN..table_end], "section table");
     for _ in 0..count {
         let kind = t.u32()?;
@@ -498,6 +543,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
             2 => SectionKind::Workers,
             3 => SectionKind::Chains,
             4 if version >= 2 => SectionKind::Lower,
+            5 if version >= 3 => SectionKind::Pool,
             // Unknown sections of a future minor revision are skipped (they are covered by
             // the header checksum, and their bounds are not needed).
             _ => continue,
@@ -517,7 +563,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
             return Err(malformed(kind.name(), "declared twice"));
         }
     }
-    let [Some(msec), Some(wsec), Some(csec), lsec] = sections else {
+    let [Some(msec), Some(wsec), Some(csec), lsec, psec] = sections else {
         return Err(malformed("section table", "a required section is missing"));
     };
     let meta: SnapshotMeta =
@@ -608,6 +654,13 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
             return Err(malformed("lower tiers", format!("tier {tier}")));
         }
     }
+    let psec = psec.unwrap_or(&[]);
+    if psec.len() % POOL_LEN != 0 {
+        return Err(malformed(
+            "shared pool",
+            format!("{} bytes is no whole number of records", psec.len()),
+        ));
+    }
     Ok(SnapshotView {
         meta,
         workers,
@@ -615,6 +668,7 @@ pub fn parse(bytes: &[u8]) -> Result<SnapshotView<'_>, SnapshotError> {
         chain_count,
         blocks,
         lower: lsec,
+        pool: psec,
         version,
     })
 }
@@ -663,6 +717,30 @@ impl<'a> SnapshotView<'a> {
             Some(LowerRecord {
                 worker,
                 tier,
+                name: c.u64().ok()?,
+                path: c.u64().ok()?,
+            })
+        })
+    }
+
+    /// Shared-pool blocks in the file (0 before version 3).
+    pub fn pool_count(&self) -> usize {
+        self.pool.len() / POOL_LEN
+    }
+
+    /// The shared-pool blocks, in file order.
+    pub fn pool(&self) -> impl Iterator<Item = PoolRecord> + '_ {
+        let mut c = Cursor::new(self.pool, "shared pool");
+        std::iter::from_fn(move || {
+            if c.remaining() == 0 {
+                return None;
+            }
+            // Whole records (checked by `parse`); any source, name and path is valid.
+            let worker_id = c.u64().ok()?;
+            let dp_rank = c.u32().ok()?;
+            let _reserved = c.u32().ok()?;
+            Some(PoolRecord {
+                source: WorkerDp::new(worker_id, dp_rank),
                 name: c.u64().ok()?,
                 path: c.u64().ok()?,
             })
@@ -838,6 +916,43 @@ mod tests {
     }
 
     #[test]
+    fn shared_pools_round_trip_and_older_files_load_without_them() {
+        let (meta, workers, events) = sample();
+        let lower = lower_sample(&workers);
+        // Sources that are no worker of the file.
+        let pool = vec![
+            PoolRecord {
+                source: WorkerDp::new(99, 0),
+                name: 7,
+                path: 0xdef,
+            },
+            PoolRecord {
+                source: WorkerDp::new(u64::MAX, 3),
+                name: u64::MAX,
+                path: 1,
+            },
+        ];
+        let bytes = encode_with_tiers(&meta, &workers, &events, &lower, &pool).unwrap();
+        let view = parse(&bytes).unwrap();
+        assert_eq!(view.pool().collect::<Vec<_>>(), pool);
+        assert_eq!((view.pool_count(), view.lower_count()), (2, 2));
+        // A version 2 file loads with its lower tiers and no pool.
+        let old = restamp(&bytes, 2);
+        let v2 = parse(&old).unwrap();
+        assert_eq!((v2.pool_count(), v2.lower_count()), (0, 2));
+        assert_eq!(rebuild(&v2).dump(), rebuild(&view).dump());
+        // Every truncation and byte flip of the pool's file is still a typed error.
+        for n in 0..bytes.len() {
+            assert!(parse(&bytes[..n]).is_err(), "truncated to {n}");
+        }
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 0x5a;
+            assert!(parse(&b).is_err(), "flip at {i}");
+        }
+    }
+
+    #[test]
     fn every_corruption_is_a_typed_error() {
         let (meta, workers, events) = sample();
         let bytes = encode_with_lower(&meta, &workers, &events, &lower_sample(&workers)).unwrap();
@@ -852,10 +967,10 @@ mod tests {
             assert!(parse(&b).is_err(), "flip at {i}");
         }
         let mut b = bytes.clone();
-        b[8] = 3;
+        b[8] = 4;
         assert_eq!(
             parse(&b).unwrap_err(),
-            SnapshotError::UnsupportedVersion { found: 3 }
+            SnapshotError::UnsupportedVersion { found: 4 }
         );
         assert_eq!(
             parse(&restamp(&bytes, 0)).unwrap_err(),

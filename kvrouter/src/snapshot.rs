@@ -54,6 +54,7 @@ pub(crate) fn run(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
                 "chains": v.chain_count(),
                 "blocks": v.block_count(),
                 "lower_tier_blocks": v.lower_count(),
+                "shared_pool_blocks": v.pool_count(),
                 "workers": workers,
             });
             println!("{}", serde_json::to_string_pretty(&out)?);

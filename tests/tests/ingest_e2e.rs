@@ -430,3 +430,91 @@ fn a_one_million_token_prompt_fits_in_one_message() {
     assert_eq!(ingest.reader().find_matches(&locals).max_score(), 15_625);
     assert_eq!(ingest.stats().event_blocks, 15_625);
 }
+
+/// Shared-pool events (residency `cache_owner`) over a real nats-server: indexed, counted,
+/// no worker made of their source; a snapshot keeps them, and a router restored from it
+/// with no broker credits the same pool blocks.
+#[test]
+fn a_shared_pool_is_ingested_and_survives_a_snapshot() {
+    use kvrouter_core::codec::{Subjects, kv};
+    use kvrouter_core::event::{ResidencyDomain, RouterEvent};
+    use kvrouter_core::hash::{SequenceBlockHash, sequence_hashes};
+    use kvrouter_core::index::{OverlapScores, TierScores};
+    use kvrouter_io::ingest::SnapshotConfig;
+
+    let server = NatsServer::start();
+    let snaps = std::env::temp_dir().join(format!("kvrouter-pool-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&snaps);
+    let with_snapshots = |nats: Option<&str>| {
+        Ingest::start(IngestConfig {
+            nats: nats.map(nats_opts),
+            snapshot: Some(SnapshotConfig {
+                dir: snaps.clone(),
+                interval: None,
+                on_stop: false,
+            }),
+            ..IngestConfig::default()
+        })
+        .expect("ingest starts")
+    };
+    let ingest = with_snapshots(Some(&server.url()));
+    let q: Vec<LocalBlockHash> = (1..=6).map(LocalBlockHash).collect();
+    let names = sequence_hashes(&q);
+    let chain: Vec<(LocalBlockHash, SequenceBlockHash)> =
+        q.iter().copied().zip(names.iter().copied()).collect();
+    let pool = |data: KvCacheEvent| {
+        let mut e = RouterEvent::new(77, data);
+        e.residency_domain = Some(ResidencyDomain::CacheOwner);
+        e
+    };
+    // Worker 5 holds the first 2 blocks on its device; the pool all 6 but block 3.
+    let events = [
+        RouterEvent::new(5, KvCacheEvent::stored(1, 0, None, chain[..2].to_vec())),
+        pool(KvCacheEvent::stored(1, 0, None, chain.clone())),
+        pool(KvCacheEvent::removed(2, 0, [names[3]])),
+    ];
+    let url = server.url();
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let subject = Subjects::default().kv_events();
+            for (seq, e) in events.iter().enumerate() {
+                let msg = kv::encode_message(3, seq as u64, 0, std::slice::from_ref(e)).unwrap();
+                client.publish(&subject, &msg).await.unwrap();
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+    let paths: Vec<u64> = names.iter().map(|h| h.0).collect();
+    let shared = |ingest: &Ingest| {
+        let reader = ingest.reader();
+        let mut device = OverlapScores::new();
+        reader.find_matches_into(&q, &mut device);
+        let mut tiers = TierScores::new();
+        reader.tier_overlaps_into(&paths, &device, &mut tiers);
+        (
+            device.get(WorkerDp::new(5, 0)),
+            tiers.shared_beyond(0),
+            tiers.shared_beyond(2),
+        )
+    };
+    wait_until("the pool's events", Duration::from_secs(10), || {
+        ingest.stats().pool_events == 2
+    });
+    assert_eq!(shared(&ingest), (2, 5, 3));
+    let listed: Vec<WorkerId> = ingest
+        .workers()
+        .iter()
+        .map(|s| s.worker.worker_id)
+        .collect();
+    assert_eq!(listed, [5], "the pool's source is no worker");
+    ingest.snapshot_now().expect("snapshot written");
+    ingest.stop();
+    let restored = with_snapshots(None);
+    assert_eq!(shared(&restored), (2, 5, 3));
+    assert_eq!(restored.stats().snapshot_restored_blocks, 2 + 5);
+    restored.stop();
+    let _ = std::fs::remove_dir_all(&snaps);
+}

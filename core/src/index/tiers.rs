@@ -70,7 +70,8 @@
 //! off. A pool chain's parent is the source's pool block of that name, else the source's
 //! own block on any tier; a worker-scoped clear or restart of the source keeps its pool
 //! blocks (as Dynamo's scoped clear keeps cache-owner residency), a `cache_owner` clear
-//! drops them, and so does the source leaving the fleet.
+//! drops them, and so does the source leaving the fleet. Snapshots keep the pool (format
+//! version 3, [`crate::snapshot`]).
 
 use std::collections::HashMap;
 
@@ -317,6 +318,21 @@ impl LowerTiers {
     /// Drops every shared-pool block of `source`; returns how many.
     pub fn pool_clear(&mut self, source: WorkerDp) -> usize {
         self.pool.clear(source)
+    }
+
+    /// Every shared-pool block as `(source, name, path hash)`, for snapshots.
+    pub fn pool_blocks(&self) -> impl Iterator<Item = (WorkerDp, u64, u64)> + '_ {
+        self.pool
+            .names
+            .iter()
+            .flat_map(|(&w, m)| m.iter().map(move |(&name, &path)| (w, name, path)))
+    }
+
+    /// Places one shared-pool block as a snapshot recorded it; returns whether it is new.
+    pub fn pool_restore(&mut self, source: WorkerDp, name: u64, path: u64) -> bool {
+        let before = self.pool.blocks;
+        self.pool.hold(source, name, path);
+        self.pool.blocks > before
     }
 
     /// `source`'s shared-pool blocks as `(name, path hash)`.

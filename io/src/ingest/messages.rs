@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use kvrouter_core::event::RouterEvent;
-use kvrouter_core::snapshot::{LowerRecord, WorkerRecord};
+use kvrouter_core::snapshot::{LowerRecord, PoolRecord, WorkerRecord};
 use kvrouter_core::worker::{DpRank, WorkerDp, WorkerId};
 
 use super::snapshots::{SnapshotError, SnapshotInfo};
@@ -88,6 +88,8 @@ pub(super) struct ShardPart {
     pub(super) events: Vec<RouterEvent>,
     /// The workers' lower-tier blocks.
     pub(super) lower: Vec<LowerRecord>,
+    /// The shard's shared-pool blocks.
+    pub(super) pool: Vec<PoolRecord>,
 }
 
 /// A command to the source core.

@@ -198,6 +198,7 @@ impl ShardCore {
             workers: Vec::new(),
             events: Vec::new(),
             lower: Vec::new(),
+            pool: Vec::new(),
         };
         // Once a stop is taken (or was already waiting), everything after it waits too.
         let mut stop = self.deferred.iter().any(|c| matches!(c, ShardCmd::Stop));
@@ -255,6 +256,10 @@ impl ShardCore {
             self.writer.dump_worker(w, &mut part.events);
             self.writer.dump_lower_worker(w, &mut part.lower);
         }
+        // The pools after the workers: they carry no event ids, so whatever arrived during
+        // the dump is in them (a replay after a restore applies their events again, which
+        // changes nothing).
+        self.writer.dump_pool(&mut part.pool);
         part
     }
 

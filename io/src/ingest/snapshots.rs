@@ -103,6 +103,12 @@ pub(super) fn restore(
             lower_blocks += 1;
         }
     }
+    for r in view.pool() {
+        let w = map.shard_of(r.source.worker_id);
+        if writers[w].restore_pool(&r) {
+            lower_blocks += 1;
+        }
+    }
     let now = Instant::now();
     for r in view.workers() {
         let i = map.shard_of(r.worker.worker_id);
@@ -220,6 +226,7 @@ impl Snapshotter {
         let mut workers = Vec::new();
         let mut events = Vec::new();
         let mut lower = Vec::new();
+        let mut pool = Vec::new();
         for part in shards
             .snapshot()
             .await
@@ -228,6 +235,7 @@ impl Snapshotter {
             workers.extend(part.workers);
             events.extend(part.events);
             lower.extend(part.lower);
+            pool.extend(part.pool);
         }
         let meta = SnapshotMeta {
             created_unix_ms: std::time::SystemTime::now()
@@ -245,22 +253,23 @@ impl Snapshotter {
         std::thread::Builder::new()
             .name("kvrouter-snapshot".into())
             .spawn(move || {
-                let r =
-                    kvrouter_core::snapshot::encode_with_lower(&meta, &workers, &events, &lower)
-                        .map_err(SnapshotError::Encode)
-                        .and_then(|bytes| {
-                            let blocks = events.iter().map(|e| e.block_count() as u64).sum();
-                            store
-                                .write(&bytes)
-                                .map(|path| SnapshotInfo {
-                                    path,
-                                    bytes: bytes.len(),
-                                    blocks,
-                                    workers: workers.len(),
-                                    stream_seq,
-                                })
-                                .map_err(SnapshotError::Write)
-                        });
+                let r = kvrouter_core::snapshot::encode_with_tiers(
+                    &meta, &workers, &events, &lower, &pool,
+                )
+                .map_err(SnapshotError::Encode)
+                .and_then(|bytes| {
+                    let blocks = events.iter().map(|e| e.block_count() as u64).sum();
+                    store
+                        .write(&bytes)
+                        .map(|path| SnapshotInfo {
+                            path,
+                            bytes: bytes.len(),
+                            blocks,
+                            workers: workers.len(),
+                            stream_seq,
+                        })
+                        .map_err(SnapshotError::Write)
+                });
                 let _ = done_tx.send(r);
             })
             .map_err(|e| SnapshotError::Thread(Some(e)))?;

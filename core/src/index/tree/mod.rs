@@ -294,6 +294,26 @@ impl ShardWriter {
         );
     }
 
+    /// Appends this shard's shared-pool blocks to `out`, as a snapshot keeps them.
+    pub fn dump_pool(&self, out: &mut Vec<crate::snapshot::PoolRecord>) {
+        let lower = self
+            .shared()
+            .lower
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        out.extend(
+            lower
+                .pool_blocks()
+                .map(|(source, name, path)| crate::snapshot::PoolRecord { source, name, path }),
+        );
+    }
+
+    /// Places a shared-pool block as [`Self::dump_pool`] gave it; returns whether it is new.
+    /// A pool's source needs no worker slot.
+    pub fn restore_pool(&mut self, r: &crate::snapshot::PoolRecord) -> bool {
+        self.with_lower(|l| l.pool_restore(r.source, r.name, r.path))
+    }
+
     /// Places a lower-tier block as [`Self::dump_lower_worker`] gave it, for a worker this
     /// shard knows; returns whether it was placed (not for the device tier, nor for an
     /// unknown worker).
