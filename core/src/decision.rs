@@ -1022,6 +1022,18 @@ mod tests {
         );
     }
 
+    /// One decision among `W` with `cost`, 16-token blocks, its candidates explained.
+    fn decide_explained(idx: &dyn Lookup, cost: CostConfig, l: &[LocalBlockHash]) -> Decision {
+        let mut d = Decider::new(DeciderConfig {
+            cost,
+            block_size: 16,
+            ..Default::default()
+        });
+        let mut r = route(l, None);
+        r.explain = true;
+        d.decide(Some(idx), &W, r, seqs(l), 0).unwrap()
+    }
+
     #[test]
     fn host_blocks_earn_their_credit() {
         // Worker 2 holds 3 of 4 blocks on the device; worker 3 holds all 4 in host memory
@@ -1035,17 +1047,11 @@ mod tests {
         e.storage_tier = crate::worker::StorageTier::HostPinned;
         idx.apply(e).unwrap();
         for (weight, want) in [(1.0, W[2]), (0.5, W[1])] {
-            let mut d = Decider::new(DeciderConfig {
-                cost: CostConfig {
-                    host_cache_hit_weight: weight,
-                    ..CostConfig::default()
-                },
-                block_size: 16,
-                ..Default::default()
-            });
-            let mut r = route(&l, None);
-            r.explain = true;
-            let out = d.decide(Some(&idx), &W, r, seqs(&l), 0).unwrap();
+            let cost = CostConfig {
+                host_cache_hit_weight: weight,
+                ..CostConfig::default()
+            };
+            let out = decide_explained(&idx, cost, &l);
             assert_eq!(out.worker, want, "host weight {weight}");
             let scored = out.scored.unwrap();
             assert_eq!(scored[2].candidate.host_overlap_blocks, 4);
@@ -1078,17 +1084,11 @@ mod tests {
         // The pool's publisher is no worker.
         assert_eq!(idx.workers().len(), 1);
         for multiplier in [0.0, 0.5] {
-            let mut d = Decider::new(DeciderConfig {
-                cost: CostConfig {
-                    shared_cache_multiplier: multiplier,
-                    ..CostConfig::default()
-                },
-                block_size: 16,
-                ..Default::default()
-            });
-            let mut r = route(&l, None);
-            r.explain = true;
-            let out = d.decide(Some(&idx), &W, r, seqs(&l), 0).unwrap();
+            let cost = CostConfig {
+                shared_cache_multiplier: multiplier,
+                ..CostConfig::default()
+            };
+            let out = decide_explained(&idx, cost, &l);
             let scored = out.scored.unwrap();
             let beyond: Vec<u32> = scored
                 .iter()

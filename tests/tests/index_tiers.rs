@@ -87,11 +87,10 @@ proptest! {
     }
 }
 
-/// The seed's worked example extended with host and disk, by hand: a 6-block request,
-/// worker A holds 2 blocks on the device, the next 2 in host memory and 1 more on disk;
-/// worker B holds the first 3 on disk only.
-#[test]
-fn a_worked_example_by_hand() {
+/// The worked example's fleet: the request's local hashes and names, and an index where
+/// worker 1 holds blocks 0–1 on the device, 0–3 in host memory and 4 on disk, and worker 2
+/// blocks 0–2 on disk.
+fn worked_example() -> (TreeIndex, Vec<LocalBlockHash>, Vec<SequenceBlockHash>) {
     let path = [0u8, 1, 2, 0, 1, 2];
     let ls = locals(&path);
     let ns = names(&path);
@@ -110,6 +109,15 @@ fn a_worked_example_by_hand() {
     let blocks = ls[..3].iter().copied().zip(ns[..3].iter().copied());
     idx.apply(event(2, 2, KvCacheEvent::stored(0, 0, None, blocks)))
         .unwrap();
+    (idx, ls, ns)
+}
+
+/// The seed's worked example extended with host and disk, by hand: a 6-block request,
+/// worker A holds 2 blocks on the device, the next 2 in host memory and 1 more on disk;
+/// worker B holds the first 3 on disk only.
+#[test]
+fn a_worked_example_by_hand() {
+    let (mut idx, ls, ns) = worked_example();
     let (device, tiers) = tiers_of(&idx, &ls);
     let (wa, wb) = (WorkerDp::new(1, 0), WorkerDp::new(2, 0));
     assert_eq!(device.get(wa), 2);
@@ -152,29 +160,12 @@ fn a_worked_example_by_hand() {
 /// prefix, contiguous or not, and credits them on top of the tier credits.
 #[test]
 fn the_worked_example_with_a_shared_pool() {
-    let path = [0u8, 1, 2, 0, 1, 2];
-    let ls = locals(&path);
-    let ns = names(&path);
-    let a = |tier: u8, from: usize, to: usize| {
-        let parent = (from > 0).then(|| ns[from - 1]);
-        let blocks = ls[from..to]
-            .iter()
-            .copied()
-            .zip(ns[from..to].iter().copied());
-        event(1, tier, KvCacheEvent::stored(0, 0, parent, blocks))
-    };
+    let (mut idx, ls, ns) = worked_example();
     let pool = |data: KvCacheEvent| {
         let mut e = event(7, 3, data);
         e.residency_domain = Some(kvrouter_core::event::ResidencyDomain::CacheOwner);
         e
     };
-    let mut idx = TreeIndex::new(2);
-    for e in [a(0, 0, 2), a(1, 0, 4), a(2, 4, 5)] {
-        idx.apply(e).unwrap();
-    }
-    let blocks = ls[..3].iter().copied().zip(ns[..3].iter().copied());
-    idx.apply(event(2, 2, KvCacheEvent::stored(0, 0, None, blocks)))
-        .unwrap();
     let all = ls.iter().copied().zip(ns.iter().copied());
     idx.apply(pool(KvCacheEvent::stored(0, 0, None, all)))
         .unwrap();

@@ -56,51 +56,26 @@ impl ShardWriter {
         data: &KvEventData,
         guard: &Guard,
     ) -> ApplyOutcome {
-        let mut out = ApplyOutcome::default();
-        match data {
-            KvEventData::Stored(s) => {
-                let parent = match s.parent_hash {
-                    None => Some(None),
-                    Some(p) => {
-                        let own = {
-                            let l = self
-                                .shared
-                                .lower
-                                .read()
-                                .unwrap_or_else(std::sync::PoisonError::into_inner);
-                            l.pool_path_of(source, p).or_else(|| l.path_of(source, p))
-                        };
-                        own.or_else(|| {
-                            let slot = *self.slot_of.get(&source)?;
-                            self.device_path_hash(slot, p, guard)
-                        })
-                        .map(Some)
-                    }
+        self.apply_beside(
+            data,
+            |w, p| {
+                let own = {
+                    let l = w
+                        .shared
+                        .lower
+                        .read()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    l.pool_path_of(source, p).or_else(|| l.path_of(source, p))
                 };
-                let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> = s
-                    .blocks
-                    .iter()
-                    .map(|b| (b.tokens_hash, b.block_hash))
-                    .collect();
-                self.with_lower(|l| match parent {
-                    Some(parent) => {
-                        let new = l.pool_store(source, parent, &blocks);
-                        out.stored = new as u32;
-                        out.duplicate = (blocks.len() - new) as u32;
-                    }
-                    None => l.orphan(),
-                });
-            }
-            KvEventData::Removed(r) => {
-                let n = self.with_lower(|l| l.pool_remove(source, &r.block_hashes));
-                out.removed = n as u32;
-                out.not_found = (r.block_hashes.len() - n) as u32;
-            }
-            KvEventData::Cleared => {
-                out.removed = self.with_lower(|l| l.pool_clear(source)) as u32;
-            }
-        }
-        out
+                own.or_else(|| {
+                    let slot = *w.slot_of.get(&source)?;
+                    w.device_path_hash(slot, p, guard)
+                })
+            },
+            |l, parent, blocks| l.pool_store(source, parent, blocks),
+            |l, names| l.pool_remove(source, names),
+            |l| l.pool_clear(source),
+        )
     }
 
     pub(super) fn apply_lower(
@@ -111,22 +86,45 @@ impl ShardWriter {
         data: &KvEventData,
         guard: &Guard,
     ) -> ApplyOutcome {
+        self.apply_beside(
+            data,
+            |w, p| {
+                let lower = w
+                    .shared
+                    .lower
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .path_of(worker, p);
+                lower.or_else(|| w.device_path_hash(slot, p, guard))
+            },
+            |l, parent, blocks| l.store(worker, tier, parent, blocks),
+            |l, names| l.remove(worker, tier, names),
+            |l| l.clear(worker, Some(tier)),
+        )
+    }
+
+    /// An event kept beside the tree (a lower tier's, a shared pool's): a stored chain is
+    /// placed by `store` under the path hash `parent_path` gives for its parent's name (an
+    /// orphan, counted, when it gives none), a removal by `remove`, a clear by `clear`;
+    /// each returns how many blocks it added or dropped.
+    fn apply_beside(
+        &self,
+        data: &KvEventData,
+        parent_path: impl FnOnce(&Self, SequenceBlockHash) -> Option<u64>,
+        store: impl FnOnce(
+            &mut LowerTiers,
+            Option<u64>,
+            &[(LocalBlockHash, SequenceBlockHash)],
+        ) -> usize,
+        remove: impl FnOnce(&mut LowerTiers, &[SequenceBlockHash]) -> usize,
+        clear: impl FnOnce(&mut LowerTiers) -> usize,
+    ) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
         match data {
             KvEventData::Stored(s) => {
                 let parent = match s.parent_hash {
                     None => Some(None),
-                    Some(p) => {
-                        let lower = self
-                            .shared
-                            .lower
-                            .read()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .path_of(worker, p);
-                        lower
-                            .or_else(|| self.device_path_hash(slot, p, guard))
-                            .map(Some)
-                    }
+                    Some(p) => parent_path(self, p).map(Some),
                 };
                 let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> = s
                     .blocks
@@ -135,7 +133,7 @@ impl ShardWriter {
                     .collect();
                 self.with_lower(|l| match parent {
                     Some(parent) => {
-                        let new = l.store(worker, tier, parent, &blocks);
+                        let new = store(l, parent, &blocks);
                         out.stored = new as u32;
                         out.duplicate = (blocks.len() - new) as u32;
                     }
@@ -143,12 +141,12 @@ impl ShardWriter {
                 });
             }
             KvEventData::Removed(r) => {
-                let n = self.with_lower(|l| l.remove(worker, tier, &r.block_hashes));
+                let n = self.with_lower(|l| remove(l, &r.block_hashes));
                 out.removed = n as u32;
                 out.not_found = (r.block_hashes.len() - n) as u32;
             }
             KvEventData::Cleared => {
-                out.removed = self.with_lower(|l| l.clear(worker, Some(tier))) as u32;
+                out.removed = self.with_lower(clear) as u32;
             }
         }
         out
