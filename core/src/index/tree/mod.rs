@@ -277,11 +277,7 @@ impl ShardWriter {
     /// Appends one (worker, dp rank)'s lower-tier blocks to `out`, as a snapshot keeps them
     /// (engine name and path hash, [`crate::index::tiers`]).
     pub fn dump_lower_worker(&self, worker: WorkerDp, out: &mut Vec<LowerRecord>) {
-        let lower = self
-            .shared()
-            .lower
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let lower = self.read_lower();
         out.extend(
             lower
                 .blocks_of_worker(worker)
@@ -296,11 +292,7 @@ impl ShardWriter {
 
     /// Appends this shard's shared-pool blocks to `out`, as a snapshot keeps them.
     pub fn dump_pool(&self, out: &mut Vec<crate::snapshot::PoolRecord>) {
-        let lower = self
-            .shared()
-            .lower
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let lower = self.read_lower();
         out.extend(
             lower
                 .pool_blocks()

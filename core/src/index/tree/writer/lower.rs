@@ -33,6 +33,14 @@ impl ShardWriter {
         }))
     }
 
+    /// The shard's lower tiers (and shared pools) under the read lock.
+    pub(in crate::index::tree) fn read_lower(&self) -> std::sync::RwLockReadGuard<'_, LowerTiers> {
+        self.shared
+            .lower
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Runs `f` on the shard's lower tiers under the write lock and republishes their
     /// block count.
     pub(in crate::index::tree) fn with_lower<T>(&self, f: impl FnOnce(&mut LowerTiers) -> T) -> T {
@@ -60,11 +68,7 @@ impl ShardWriter {
             data,
             |w, p| {
                 let own = {
-                    let l = w
-                        .shared
-                        .lower
-                        .read()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let l = w.read_lower();
                     l.pool_path_of(source, p).or_else(|| l.path_of(source, p))
                 };
                 own.or_else(|| {
@@ -89,12 +93,7 @@ impl ShardWriter {
         self.apply_beside(
             data,
             |w, p| {
-                let lower = w
-                    .shared
-                    .lower
-                    .read()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .path_of(worker, p);
+                let lower = w.read_lower().path_of(worker, p);
                 lower.or_else(|| w.device_path_hash(slot, p, guard))
             },
             |l, parent, blocks| l.store(worker, tier, parent, blocks),
