@@ -61,6 +61,11 @@ pub(crate) struct ServeArgs {
     /// TOML configuration file (keys as the long flags, with `_` for `-`).
     #[arg(long, env = "KVROUTER_CONFIG")]
     config: Option<PathBuf>,
+    /// Stop as on SIGTERM when stdin reaches its end: for a parent that runs the router as
+    /// its child (`kvrouter bench --nats`) and holds the pipe's other end, so that the
+    /// router goes with the parent however the parent ends.
+    #[arg(long, hide = true)]
+    stop_on_stdin_eof: bool,
     /// NATS server URL (`off`: no NATS plane, no replica sync).
     #[arg(long, env = "KVROUTER_NATS")]
     nats: Option<String>,
@@ -776,6 +781,7 @@ impl ServeConfig {
 }
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let args_stop_on_eof = args.stop_on_stdin_eof;
     let mut cfg = ServeConfig::resolve(&args)?;
     let fd_limit = raise_fd_limit();
     let cost = CostConfig {
@@ -960,6 +966,16 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         signal_hook::consts::SIGINT,
     ])
     .context("installing signal handlers")?;
+    if args_stop_on_eof {
+        std::thread::spawn(|| {
+            use std::io::Read as _;
+            let mut sink = [0u8; 4096];
+            let mut stdin = std::io::stdin().lock();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            tracing::info!("stdin closed: stopping");
+            let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
+        });
+    }
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping (a second signal exits at once)");
     }

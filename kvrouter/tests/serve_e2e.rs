@@ -734,3 +734,49 @@ fn a_closed_stdout_does_not_stop_the_router() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A parent that runs the router as its child (`kvrouter bench --nats`) passes
+/// `--stop-on-stdin-eof` and holds the pipe: when the parent ends, however it ends, the pipe
+/// closes and the router stops as on SIGTERM, cleanly.
+#[test]
+fn a_router_child_stops_when_its_parents_pipe_closes() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args([
+            "serve",
+            "--nats",
+            "off",
+            "--listen",
+            "127.0.0.1:0",
+            "--stop-on-stdin-eof",
+        ])
+        .env("KVROUTER_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvrouter serve starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("banner");
+    assert!(line.contains("http://"), "{line}");
+    // Still serving while the pipe is open.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "stopped with the pipe open"
+    );
+    drop(child.stdin.take());
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no exit after the pipe closed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "clean stop: {status}");
+}

@@ -398,10 +398,14 @@ fn spawn_router(
     policy: Policy,
     extra: &[String],
 ) -> anyhow::Result<(Reaped, RouterApi)> {
+    // The router stops when its stdin closes: the pipe's end lives in `child` (a `Child`
+    // keeps its stdin open), so the router goes with this process however it ends, a
+    // SIGTERM or SIGKILL included, as the engines do.
     let mut child = kvrouter(cfg)
         .args(router_args(cfg, ns, policy))
         .args(extra)
-        .stdin(Stdio::null())
+        .arg("--stop-on-stdin-eof")
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
