@@ -498,10 +498,7 @@ impl Decider {
                 let mut candidates = self.slots.candidates(workers, &blocks, &self.overlaps);
                 if !self.tiers.is_empty() {
                     for c in &mut candidates {
-                        let t = self.tiers.get(c.worker);
-                        c.host_overlap_blocks = t.host;
-                        c.disk_overlap_blocks = t.disk;
-                        c.shared_beyond_blocks = self.tiers.shared_beyond(c.device_overlap_blocks);
+                        self.tiers.fill(c);
                     }
                 }
                 if let Some(p) = &self.prefill {

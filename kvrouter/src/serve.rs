@@ -968,10 +968,9 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     .context("installing signal handlers")?;
     if args_stop_on_eof {
         std::thread::spawn(|| {
-            use std::io::Read as _;
-            let mut sink = [0u8; 4096];
-            let mut stdin = std::io::stdin().lock();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            // `copy` retries interrupted reads: only the end of the pipe (or a broken one)
+            // returns.
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
             tracing::info!("stdin closed: stopping");
             let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
         });

@@ -393,11 +393,11 @@ impl Index for ReferenceIndex {
     fn apply(&mut self, event: RouterEvent) -> Result<ApplyOutcome, ApplyError> {
         let worker = event.worker();
         let event_id = event.event.event_id;
-        if !event.is_worker_owned() {
-            if !event.is_shared_pool() {
-                return Ok(ApplyOutcome::default());
-            }
+        if event.is_shared_pool() {
             return Ok(self.apply_pool(worker, &event.event.data));
+        }
+        if !event.is_worker_owned() {
+            return Ok(ApplyOutcome::default());
         }
         let w = self.workers.entry(worker).or_default();
         w.last_event_id = Some(event_id);

@@ -148,11 +148,12 @@ impl TierScores {
         }
     }
 
-    /// Sorts what was pushed and counts the shared-pool blocks past each position.
+    /// Sorts what was pushed and counts the shared-pool blocks past each position. Once
+    /// per [`Self::clear`].
     pub fn finish(&mut self) {
         self.scores.sort_unstable_by_key(|&(w, _)| w);
-        if self.shared.iter().all(|&x| x == 0) {
-            self.shared.clear();
+        // Only a marked position makes `shared` non-empty.
+        if self.shared.is_empty() {
             return;
         }
         self.shared.push(0);
@@ -165,6 +166,15 @@ impl TierScores {
     /// `hits_beyond`): a worker's `shared_beyond_blocks` with `from` its device overlap.
     pub fn shared_beyond(&self, from: u32) -> u32 {
         self.shared.get(from as usize).copied().unwrap_or(0)
+    }
+
+    /// Fills a candidate's lower-tier and shared-pool counts from its worker's entry and
+    /// its device overlap, as every front's decision does.
+    pub fn fill(&self, c: &mut crate::policy::Candidate) {
+        let t = self.get(c.worker);
+        c.host_overlap_blocks = t.host;
+        c.disk_overlap_blocks = t.disk;
+        c.shared_beyond_blocks = self.shared_beyond(c.device_overlap_blocks);
     }
 
     /// A worker's overlap (zero when absent).
@@ -198,6 +208,22 @@ impl TierScores {
             .map(|&(w, t)| (w, 0, t));
         on_device.chain(lower_only)
     }
+}
+
+/// `(engine name, path hash)` of each block of a chain stored under the block whose path
+/// hash is `parent` (`None`: the root).
+fn chain_paths(
+    parent: Option<u64>,
+    blocks: &[(LocalBlockHash, SequenceBlockHash)],
+) -> impl Iterator<Item = (u64, u64)> + '_ {
+    blocks.iter().scan(parent, |parent, &(local, name)| {
+        let path = match *parent {
+            None => local.0,
+            Some(p) => next_sequence_hash(SequenceBlockHash(p), local).0,
+        };
+        *parent = Some(path);
+        Some((name.0, path))
+    })
 }
 
 /// One shard's lower tiers (see the [module docs](self)).
@@ -298,14 +324,8 @@ impl LowerTiers {
         blocks: &[(LocalBlockHash, SequenceBlockHash)],
     ) -> usize {
         let before = self.pool.blocks;
-        let mut parent = parent_path;
-        for &(local, name) in blocks {
-            let path = match parent {
-                None => local.0,
-                Some(p) => next_sequence_hash(SequenceBlockHash(p), local).0,
-            };
-            self.pool.hold(source, name.0, path);
-            parent = Some(path);
+        for (name, path) in chain_paths(parent_path, blocks) {
+            self.pool.hold(source, name, path);
         }
         self.pool.blocks - before
     }
@@ -333,15 +353,6 @@ impl LowerTiers {
         let before = self.pool.blocks;
         self.pool.hold(source, name, path);
         self.pool.blocks > before
-    }
-
-    /// `source`'s shared-pool blocks as `(name, path hash)`.
-    pub fn pool_blocks_of(&self, source: WorkerDp) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.pool
-            .names
-            .get(&source)
-            .into_iter()
-            .flat_map(|m| m.iter().map(|(&name, &path)| (name, path)))
     }
 
     /// Lower-tier chains not indexed because their parent was held on no tier.
@@ -396,14 +407,8 @@ impl LowerTiers {
         blocks: &[(LocalBlockHash, SequenceBlockHash)],
     ) -> usize {
         let before = self.blocks;
-        let mut parent = parent_path;
-        for &(local, name) in blocks {
-            let path = match parent {
-                None => local.0,
-                Some(p) => next_sequence_hash(SequenceBlockHash(p), local).0,
-            };
-            self.hold(worker, tier, name.0, path);
-            parent = Some(path);
+        for (name, path) in chain_paths(parent_path, blocks) {
+            self.hold(worker, tier, name, path);
         }
         self.blocks - before
     }
@@ -489,11 +494,8 @@ impl LowerTiers {
             .filter(|&w| which(w))
             .collect();
         let tiers: usize = gone.into_iter().map(|w| self.clear(w, None)).sum();
-        tiers
-            + sources
-                .into_iter()
-                .map(|w| self.pool.clear(w))
-                .sum::<usize>()
+        let pool: usize = sources.into_iter().map(|w| self.pool.clear(w)).sum();
+        tiers + pool
     }
 
     fn holds(&self, tier: usize, path: u64, worker: WorkerDp) -> bool {

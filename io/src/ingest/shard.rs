@@ -287,12 +287,7 @@ impl ShardCore {
         // makes no worker known and has no event-id bookkeeping: its order is its
         // publisher's, and a gap in it can only leave a credit out.
         // The tiers of one worker share its event ids: one publisher numbers them all.
-        if !e.is_worker_owned() {
-            if !e.is_shared_pool() {
-                self.stats.unknown_domain_events += 1;
-                crate::warn_throttled!(source = %e.worker(), "event of an unknown residency domain skipped");
-                return;
-            }
+        if e.is_shared_pool() {
             match self.writer.apply_event(&e) {
                 Ok(_) => self.stats.pool_events += 1,
                 Err(err) => {
@@ -300,6 +295,11 @@ impl ShardCore {
                     crate::warn_throttled!(source = %e.worker(), error = %err, "shared-pool event rejected");
                 }
             }
+            return;
+        }
+        if !e.is_worker_owned() {
+            self.stats.unknown_domain_events += 1;
+            crate::warn_throttled!(source = %e.worker(), "event of an unknown residency domain skipped");
             return;
         }
         if let Some(queue) = self.recovering.get_mut(&e.worker_id) {

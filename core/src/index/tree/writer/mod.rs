@@ -331,13 +331,13 @@ impl ShardWriter {
         guard: &Guard,
     ) -> Result<ApplyOutcome, ApplyError> {
         let worker = event.worker();
+        if event.is_shared_pool() {
+            return Ok(self.apply_pool(worker, &event.event.data, guard));
+        }
         if !event.is_worker_owned() {
             // A residency domain this build does not know: nothing to index (the ingest
             // counts it before it gets here).
-            if !event.is_shared_pool() {
-                return Ok(ApplyOutcome::default());
-            }
-            return Ok(self.apply_pool(worker, &event.event.data, guard));
+            return Ok(ApplyOutcome::default());
         }
         let slot = self.slot_for(worker, guard);
         let event_id = event.event.event_id;
