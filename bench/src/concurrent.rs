@@ -90,24 +90,21 @@ pub struct ConcurrentReport {
 
 /// CPU time (user + system) in `/proc/.../stat` form, seconds; 0 where unreadable.
 fn cpu_seconds(stat_path: &str) -> f64 {
-    std::fs::read_to_string(stat_path).map_or(0.0, |s| stat_cpu_seconds(&s))
+    std::fs::read_to_string(stat_path)
+        .ok()
+        .and_then(|s| stat_cpu_seconds(&s))
+        .unwrap_or(0.0)
 }
 
-/// User + system CPU seconds of one `/proc/.../stat` line.
-fn stat_cpu_seconds(stat: &str) -> f64 {
+/// User + system CPU seconds of one `/proc/.../stat` line (`None` if it has no such fields).
+fn stat_cpu_seconds(stat: &str) -> Option<f64> {
     // The fields after the command name, which ends at the last ')': state is field 3,
     // utime 14 and stime 15.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-        return 0.0;
-    };
+    let (_, rest) = stat.rsplit_once(')')?;
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| {
-        f.get(i - 3)
-            .and_then(|x| x.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let ticks = |i: usize| f.get(i - 3)?.parse::<u64>().ok();
     // CLK_TCK is 100 on every Linux target we run on.
-    (ticks(14) + ticks(15)) as f64 / 100.0
+    Some((ticks(14)? + ticks(15)?) as f64 / 100.0)
 }
 
 /// Runs `readers` lookup threads over `queries` while `write` runs on the calling thread;
@@ -275,10 +272,14 @@ mod tests {
         // A command name may hold spaces and parentheses; utime and stime are fields 14
         // and 15, in ticks of 10 ms.
         let line = "42 (a (b) c) R 1 2 3 4 5 6 7 8 9 10 250 130 0 0 20 0 1 0";
-        assert!((stat_cpu_seconds(line) - 3.8).abs() < 1e-9);
-        assert_eq!(stat_cpu_seconds("garbage"), 0.0);
-        assert_eq!(stat_cpu_seconds("1 (x) R"), 0.0);
-        assert!(cpu_seconds("/proc/self/stat") >= 0.0);
+        assert!((stat_cpu_seconds(line).unwrap() - 3.8).abs() < 1e-9);
+        assert_eq!(stat_cpu_seconds("garbage"), None);
+        assert_eq!(stat_cpu_seconds("1 (x) R"), None);
+        // This system's own files have the fields where we read them.
+        for path in ["/proc/self/stat", "/proc/thread-self/stat"] {
+            let stat = std::fs::read_to_string(path).unwrap();
+            assert!(stat_cpu_seconds(&stat).is_some(), "{path}: {stat}");
+        }
     }
 
     #[test]

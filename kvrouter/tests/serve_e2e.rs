@@ -621,7 +621,6 @@ fn host_tier_blocks_from_vllm_engines_reach_overlaps_and_win_routes() {
 
 #[test]
 fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
-    use kvrouter_core::codec::{Subjects, kv};
     use kvrouter_core::event::{KvCacheEvent, ResidencyDomain, RouterEvent};
     use kvrouter_core::worker::StorageTier;
 
@@ -651,25 +650,7 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
         pool(1, KvCacheEvent::stored(1, 0, None, chain.clone())),
         pool(2, KvCacheEvent::removed(2, 0, [chain[5].1])),
     ];
-    let url = server.url();
-    std::thread::spawn(move || {
-        on_glommio(move || async move {
-            let client = Client::connect(Options {
-                servers: vec![url],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-            let subject = Subjects::default().kv_events();
-            for (seq, e) in events.iter().enumerate() {
-                let msg = kv::encode_message(7, seq as u64, 0, std::slice::from_ref(e)).unwrap();
-                client.publish(&subject, &msg).await.unwrap();
-            }
-            client.flush(Duration::from_secs(5)).await.unwrap();
-        })
-    })
-    .join()
-    .unwrap();
+    kvrouter_tests::fleet::publish_encoded(&server.url(), 7, events.to_vec());
     let query = format!("{{\"token_ids\": {prompt:?}}}");
     wait_until("the pool ingested", || {
         let (_, v) = json(http(&r.addr, "POST", "/v1/overlaps", &query, &[]));

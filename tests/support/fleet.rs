@@ -188,3 +188,30 @@ pub fn wait_applied(ingest: &Ingest, last: &HashMap<WorkerId, u64>) {
             .all(|(&w, &id)| ingest.last_event_id(WorkerDp::new(w, 0)) == Some(id))
     });
 }
+
+/// Publishes `events` to the NATS server at `url` on the kv-events subject, one message
+/// each in Dynamo 1.6.1's encoding (publisher id `publisher`, sequence numbers from 0),
+/// and flushes: raw events, for what the worker library does not send (another residency
+/// domain, say).
+pub fn publish_encoded(url: &str, publisher: u64, events: Vec<RouterEvent>) {
+    let url = url.to_owned();
+    std::thread::spawn(move || {
+        on_glommio(move || async move {
+            let client = Client::connect(nats_opts(&url)).await.unwrap();
+            let subject = kvrouter_core::codec::Subjects::default().kv_events();
+            for (seq, e) in events.iter().enumerate() {
+                let msg = kvrouter_core::codec::kv::encode_message(
+                    publisher,
+                    seq as u64,
+                    0,
+                    std::slice::from_ref(e),
+                )
+                .unwrap();
+                client.publish(&subject, &msg).await.unwrap();
+            }
+            client.flush(Duration::from_secs(5)).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+}

@@ -87,6 +87,21 @@ proptest! {
     }
 }
 
+/// A candidate with `w`'s device score and tier counts, as the decision fills them.
+fn candidate(
+    w: WorkerDp,
+    device: &OverlapScores,
+    tiers: &TierScores,
+) -> kvrouter_core::policy::Candidate {
+    let mut c = kvrouter_core::policy::Candidate {
+        worker: w,
+        device_overlap_blocks: device.get(w),
+        ..Default::default()
+    };
+    tiers.fill(&mut c);
+    c
+}
+
 /// The worked example's fleet: the request's local hashes and names, and an index where
 /// worker 1 holds blocks 0–1 on the device, 0–3 in host memory and 4 on disk, and worker 2
 /// blocks 0–2 on disk.
@@ -126,15 +141,9 @@ fn a_worked_example_by_hand() {
     assert_eq!(tiers.get(wb), TierOverlap { host: 0, disk: 3 });
     // The seed's formula at Dynamo's weights (device 1, host 0.75, disk 0.25), 6 blocks:
     // A: 6 - (2 + 0.75 * 2 + 0.25 * 1) = 2.25 blocks to prefill; B: 6 - 0.25 * 3 = 5.25.
-    use kvrouter_core::policy::{Candidate, CostConfig, score};
+    use kvrouter_core::policy::{CostConfig, score};
     let cfg = CostConfig::default();
-    let cand = |w: WorkerDp| Candidate {
-        worker: w,
-        device_overlap_blocks: device.get(w),
-        host_overlap_blocks: tiers.get(w).host,
-        disk_overlap_blocks: tiers.get(w).disk,
-        ..Default::default()
-    };
+    let cand = |w: WorkerDp| candidate(w, &device, &tiers);
     let s = score(&cfg, 6 * 16, 16, &[cand(wa), cand(wb)]);
     assert!(
         (s[0].adjusted_prefill_blocks - 2.25).abs() < 1e-9,
@@ -182,19 +191,12 @@ fn the_worked_example_with_a_shared_pool() {
     assert_eq!(tiers.shared_beyond(device.get(wb)), 5);
     // Dynamo's weights with the multiplier HiCache gets (0.5), 6 blocks:
     // A: 6 - (2 + 0.75 * 2 + 0.25 * 1 + 0.5 * 3) = 0.75; B: 6 - (0.25 * 3 + 0.5 * 5) = 2.75.
-    use kvrouter_core::policy::{Candidate, CostConfig, score};
+    use kvrouter_core::policy::{CostConfig, score};
     let cfg = CostConfig {
         shared_cache_multiplier: 0.5,
         ..CostConfig::default()
     };
-    let cand = |w: WorkerDp| Candidate {
-        worker: w,
-        device_overlap_blocks: device.get(w),
-        host_overlap_blocks: tiers.get(w).host,
-        disk_overlap_blocks: tiers.get(w).disk,
-        shared_beyond_blocks: tiers.shared_beyond(device.get(w)),
-        ..Default::default()
-    };
+    let cand = |w: WorkerDp| candidate(w, &device, &tiers);
     let s = score(&cfg, 6 * 16, 16, &[cand(wa), cand(wb)]);
     assert!(
         (s[0].adjusted_prefill_blocks - 0.75).abs() < 1e-9,

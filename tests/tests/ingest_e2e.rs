@@ -436,7 +436,6 @@ fn a_one_million_token_prompt_fits_in_one_message() {
 /// with no broker credits the same pool blocks.
 #[test]
 fn a_shared_pool_is_ingested_and_survives_a_snapshot() {
-    use kvrouter_core::codec::{Subjects, kv};
     use kvrouter_core::event::{ResidencyDomain, RouterEvent};
     use kvrouter_core::hash::{SequenceBlockHash, sequence_hashes};
     use kvrouter_core::index::{OverlapScores, TierScores};
@@ -473,20 +472,7 @@ fn a_shared_pool_is_ingested_and_survives_a_snapshot() {
         pool(KvCacheEvent::stored(1, 0, None, chain.clone())),
         pool(KvCacheEvent::removed(2, 0, [names[3]])),
     ];
-    let url = server.url();
-    std::thread::spawn(move || {
-        on_glommio(move || async move {
-            let client = Client::connect(nats_opts(&url)).await.unwrap();
-            let subject = Subjects::default().kv_events();
-            for (seq, e) in events.iter().enumerate() {
-                let msg = kv::encode_message(3, seq as u64, 0, std::slice::from_ref(e)).unwrap();
-                client.publish(&subject, &msg).await.unwrap();
-            }
-            client.flush(Duration::from_secs(5)).await.unwrap();
-        })
-    })
-    .join()
-    .unwrap();
+    publish_encoded(&server.url(), 3, events.to_vec());
     let paths: Vec<u64> = names.iter().map(|h| h.0).collect();
     let shared = |ingest: &Ingest| {
         let reader = ingest.reader();
