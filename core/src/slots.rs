@@ -12,27 +12,28 @@
 //! A worker's active blocks are a union of whole prompts' sequence hashes, each a chain
 //! from the prompt's first block: if one holds a prompt's block `i`, it holds its blocks
 //! `0..i` too (block `i`'s hash names the whole prefix). So how much of a new prompt a
-//! worker already holds is a prefix of it, found by binary search: pricing a request of
-//! `n` blocks costs `O(log n)` probes per busy worker, not `n` (a huge prompt must not stall
-//! every other decision).
+//! worker already holds is a prefix of it.
 //!
-//! **Counting by prefix, not by block.** Since the held set is a union of chains, it is kept
-//! as a tree: each held block records its parent (the block before it in the chain that
-//! added it) and a count of what keeps it: its held children plus the requests that end
-//! there (a request *pins* its last block). Adding a prompt inserts only the blocks past the
-//! prefix the worker holds and pins one block; releasing it unpins that block and removes
-//! blocks upward while nothing keeps them. So a session's next turn, which repeats its
-//! previous prompt and adds a few blocks, costs those few blocks, not its whole length (an
-//! agentic prompt is about 1,900 blocks), and `active_blocks` is still the number of
-//! distinct blocks. Input that is not a chain (a hash seen before under another parent)
-//! stays consistent: the request then pins each stretch it built where it joins a held
-//! block, and every pin is undone on release.
+//! **Counting by run, not by block.** The held set is kept as a compressed trie of *runs*
+//! ([`HeldRuns`]): a run is a stretch of blocks, in a plain vector, with no branch and no
+//! request ending inside it. A request *pins* the run its prompt ends at; a run lives while
+//! it is pinned or branches, and `active_blocks` is the sum of the runs' lengths. Adding a
+//! prompt walks the trie from its first block (one map probe per run entered, then eight
+//! hashes per step along the run), splits the run where the prompt leaves it or ends inside
+//! it, and attaches the rest as one new run; releasing it unpins that run and removes, or
+//! merges into its only child, each run upward that nothing keeps any more. So the per-block
+//! work of a request is a vector compare and one copy of its new blocks (none when it shares
+//! nothing: its own vector becomes the run), never a hash-map entry per block: an agentic
+//! prompt of about 1,900 blocks that the worker does not hold used to cost 1,900 map inserts
+//! on add and as many removals on release (docs/BENCHMARKS.md, "Slot manager"). Pricing a
+//! request walks the same way on each busy worker. Input that is not a chain (a hash seen
+//! under two parents) stays consistent: the trie is keyed by path, so such a block counts
+//! once per path that holds it, and every pin is undone on release.
 //!
-//! A worker whose last request is released keeps its (empty) block map, so that a worker
-//! that goes idle between requests does not allocate and free a map per request; the map
-//! goes when the worker is removed, and its memory when it was grown past
-//! [`KEEP_IDLE_CAPACITY`] (a huge prompt must not leave megabytes behind per worker); a busy
-//! worker's map shrinks when it holds less than a quarter of its capacity.
+//! A worker whose last request is released keeps its (empty) run table, so that a worker
+//! that goes idle between requests does not allocate and free one per request; the table
+//! goes when the worker is removed, and its memory when it grew past [`KEEP_IDLE_RUNS`]
+//! runs. A run's blocks are freed with the run, so a huge prompt leaves nothing behind.
 //!
 //! Memory is bounded by a block budget ([`Slots::set_block_budget`]): when a new request's
 //! blocks would take the blocks all requests hold past it, the oldest requests holding
@@ -42,7 +43,6 @@
 //! Shedding whole requests keeps every worker's held set a union of whole chains, so it
 //! stays prefix-closed.
 
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 use smallvec::SmallVec;
@@ -54,8 +54,8 @@ use crate::worker::WorkerDp;
 
 type Map<K, V> = HashMap<K, V, MixBuildHasher>;
 
-/// An idle worker's block map keeps its memory up to this many entries.
-pub const KEEP_IDLE_CAPACITY: usize = 4_096;
+/// An idle worker keeps its run table's memory up to this many runs.
+pub const KEEP_IDLE_RUNS: usize = 4_096;
 
 /// Why a slot operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -86,145 +86,333 @@ pub struct WorkerLoad {
     pub active_requests: u64,
 }
 
-/// A held block: its parent in the chain that added it, and what keeps it (held children
-/// and pins of requests ending at it).
+/// "No run": the parent of a root run, and where a walk starts.
+const NO_RUN: u32 = u32::MAX;
+
+/// A run of held blocks: a stretch of one or more prompts' chains with no branch and no
+/// request ending inside it (see [`HeldRuns`]).
+#[derive(Debug, Default)]
+struct Run {
+    /// Its blocks, in chain order.
+    blocks: Vec<u64>,
+    /// The run it continues ([`NO_RUN`] for a root).
+    parent: u32,
+    /// The runs that continue it.
+    children: SmallVec<[u32; 2]>,
+    /// Requests whose prompt ends at its last block.
+    pins: u32,
+}
+
+/// One worker's held blocks as a compressed trie of [`Run`]s (module docs: "Counting by
+/// run").
+///
+/// Invariants, between calls:
+/// * every live run has at least one block, and `pins > 0` or at least two children (a run
+///   left with neither is removed, one left with a single child is merged into it);
+/// * `edges[(p, b)] == c` exactly when `c` is a live run whose parent is `p` and whose first
+///   block is `b`; children of one run start with distinct blocks;
+/// * `blocks` is the sum of the live runs' lengths;
+/// * a pin handed out by [`Self::hold`] names a live run until [`Self::release`] takes it:
+///   a split keeps the id on the part that ends where the run ended, and a merge keeps
+///   the child's.
+#[derive(Debug, Default)]
+struct HeldRuns {
+    runs: Vec<Run>,
+    /// Ids of dead runs, for reuse.
+    free: Vec<u32>,
+    /// (parent run or [`NO_RUN`], first block) -> run.
+    edges: Map<(u32, u64), u32>,
+    /// Blocks held: the sum of the live runs' lengths.
+    blocks: u64,
+}
+
+/// How far a prompt's blocks run along the held trie.
 #[derive(Debug, Clone, Copy)]
-struct Held {
-    parent: u64,
-    has_parent: bool,
-    keeps: u32,
+struct Found {
+    /// Blocks of the prompt held (a prefix).
+    held: usize,
+    /// The run the walk stopped in ([`NO_RUN`] when nothing is held).
+    run: u32,
+    /// Blocks of `run` the prompt matched (from its start).
+    within: usize,
+}
+
+impl HeldRuns {
+    fn is_empty(&self) -> bool {
+        self.blocks == 0
+    }
+
+    /// The longest prefix of `blocks` the trie holds, and where it ends: one map probe per
+    /// run entered, then [`matched`] along it.
+    fn find(&self, blocks: &[u64]) -> Found {
+        let mut f = Found {
+            held: 0,
+            run: NO_RUN,
+            within: 0,
+        };
+        while let Some(&next) = blocks.get(f.held) {
+            let Some(&c) = self.edges.get(&(f.run, next)) else {
+                break;
+            };
+            let run = &self.runs[c as usize].blocks;
+            let m = matched(run, &blocks[f.held..]);
+            f = Found {
+                held: f.held + m,
+                run: c,
+                within: m,
+            };
+            if m < run.len() {
+                break;
+            }
+        }
+        f
+    }
+
+    /// Holds a prompt's blocks and pins its last one; returns the pin (`None` for an empty
+    /// prompt). A prompt that shares nothing moves its vector into the trie as one run.
+    fn hold(&mut self, blocks: Vec<u64>) -> Option<u32> {
+        if blocks.is_empty() {
+            return None;
+        }
+        let f = self.find(&blocks);
+        let mut at = f.run;
+        if at != NO_RUN && f.within < self.runs[at as usize].blocks.len() {
+            at = self.split(at, f.within);
+        }
+        let pin = if f.held == blocks.len() {
+            at
+        } else {
+            let rest = if f.held == 0 {
+                blocks
+            } else {
+                blocks[f.held..].to_vec()
+            };
+            self.attach(at, rest)
+        };
+        self.runs[pin as usize].pins += 1;
+        Some(pin)
+    }
+
+    /// Drops a pin and removes (or merges) upward whatever nothing keeps any more.
+    fn release(&mut self, pin: u32) {
+        let mut run = pin;
+        let r = &mut self.runs[run as usize];
+        debug_assert!(r.pins > 0, "a pin names a pinned run");
+        r.pins = r.pins.saturating_sub(1);
+        loop {
+            let r = &self.runs[run as usize];
+            match (r.pins, r.children.len()) {
+                (0, 0) => {
+                    let (parent, first, len) = (r.parent, r.blocks[0], r.blocks.len());
+                    self.blocks -= len as u64;
+                    self.edges.remove(&(parent, first));
+                    self.kill(run);
+                    if parent == NO_RUN {
+                        return;
+                    }
+                    self.runs[parent as usize].children.retain(|c| *c != run);
+                    run = parent;
+                }
+                (0, 1) => return self.merge_into_child(run),
+                _ => return,
+            }
+        }
+    }
+
+    /// Splits `run` after its first `k` blocks (`0 < k < len`). The tail keeps the id (and
+    /// so its pins and children); the head gets a new one, which is returned.
+    fn split(&mut self, run: u32, k: usize) -> u32 {
+        let tail = &mut self.runs[run as usize];
+        // The larger part keeps the vector, the smaller is copied out: no part keeps more
+        // than twice its length (a short prefix of a huge prompt must not pin its memory).
+        let mut head_blocks = if 2 * k <= tail.blocks.len() {
+            let head = tail.blocks[..k].to_vec();
+            tail.blocks.drain(..k);
+            head
+        } else {
+            let rest = tail.blocks.split_off(k);
+            std::mem::replace(&mut tail.blocks, rest)
+        };
+        // Repeated splits of one run must not add up either.
+        for v in [&mut tail.blocks, &mut head_blocks] {
+            if v.capacity() > 2 * v.len() {
+                v.shrink_to_fit();
+            }
+        }
+        let (parent, tail_first) = (tail.parent, tail.blocks[0]);
+        let head_first = head_blocks[0];
+        let head = self.alloc(Run {
+            blocks: head_blocks,
+            parent,
+            children: smallvec::smallvec![run],
+            pins: 0,
+        });
+        self.runs[run as usize].parent = head;
+        self.edges.insert((parent, head_first), head);
+        self.edges.insert((head, tail_first), run);
+        if parent != NO_RUN {
+            for c in self.runs[parent as usize].children.iter_mut() {
+                if *c == run {
+                    *c = head;
+                }
+            }
+        }
+        head
+    }
+
+    /// A new run of `blocks` under `parent`.
+    fn attach(&mut self, parent: u32, blocks: Vec<u64>) -> u32 {
+        let first = blocks[0];
+        self.blocks += blocks.len() as u64;
+        let id = self.alloc(Run {
+            blocks,
+            parent,
+            children: SmallVec::new(),
+            pins: 0,
+        });
+        self.edges.insert((parent, first), id);
+        if parent != NO_RUN {
+            self.runs[parent as usize].children.push(id);
+        }
+        id
+    }
+
+    /// Merges `run` (no pins, one child) into its child, which keeps its id.
+    fn merge_into_child(&mut self, run: u32) {
+        let r = std::mem::take(&mut self.runs[run as usize]);
+        let c = r.children[0];
+        let child = &mut self.runs[c as usize];
+        self.edges.remove(&(run, child.blocks[0]));
+        let mut blocks = r.blocks;
+        blocks.reserve_exact(child.blocks.len());
+        blocks.extend_from_slice(&child.blocks);
+        let first = blocks[0];
+        child.blocks = blocks;
+        child.parent = r.parent;
+        self.edges.insert((r.parent, first), c);
+        if r.parent != NO_RUN {
+            for x in self.runs[r.parent as usize].children.iter_mut() {
+                if *x == run {
+                    *x = c;
+                }
+            }
+        }
+        self.kill(run);
+    }
+
+    fn alloc(&mut self, run: Run) -> u32 {
+        match self.free.pop() {
+            Some(id) => {
+                self.runs[id as usize] = run;
+                id
+            }
+            None => {
+                self.runs.push(run);
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Frees a run's id and memory.
+    fn kill(&mut self, run: u32) {
+        self.runs[run as usize] = Run::default();
+        self.free.push(run);
+    }
+
+    /// Forgets everything; an idle worker keeps the tables' memory while it is small.
+    fn reset(&mut self) {
+        debug_assert!(self.is_empty() && self.edges.is_empty());
+        if self.runs.len() > KEEP_IDLE_RUNS {
+            *self = Self::default();
+        } else {
+            self.runs.clear();
+            self.free.clear();
+            self.edges.clear();
+            self.blocks = 0;
+        }
+    }
+
+    /// Hashes of memory this trie holds (run vectors' capacity), for tests and sizing.
+    #[cfg(test)]
+    fn capacity_blocks(&self) -> usize {
+        self.runs.iter().map(|r| r.blocks.capacity()).sum()
+    }
+
+    /// Checks every invariant of the [type docs](Self) (tests).
+    #[cfg(test)]
+    fn check(&self) {
+        let free: std::collections::HashSet<u32> = self.free.iter().copied().collect();
+        let mut blocks = 0;
+        let mut edges = 0;
+        for (id, r) in self.runs.iter().enumerate() {
+            let id = id as u32;
+            if free.contains(&id) {
+                assert!(r.blocks.is_empty() && r.children.is_empty() && r.pins == 0);
+                continue;
+            }
+            assert!(!r.blocks.is_empty(), "run {id} is empty");
+            assert!(
+                r.pins > 0 || r.children.len() >= 2,
+                "run {id} is not kept: {r:?}"
+            );
+            assert_eq!(self.edges.get(&(r.parent, r.blocks[0])), Some(&id));
+            edges += 1;
+            blocks += r.blocks.len() as u64;
+            let mut firsts: Vec<u64> = r
+                .children
+                .iter()
+                .map(|&c| {
+                    assert_eq!(self.runs[c as usize].parent, id);
+                    self.runs[c as usize].blocks[0]
+                })
+                .collect();
+            firsts.sort_unstable();
+            firsts.dedup();
+            assert_eq!(firsts.len(), r.children.len());
+        }
+        assert_eq!(edges, self.edges.len());
+        assert_eq!(blocks, self.blocks);
+    }
+}
+
+/// How many of `run`'s blocks `rest` (whose first block is the run's first) continues
+/// with. Sequence hashes are chains: a prompt that agrees with a run at block `i` agrees at
+/// every block before it (block `i`'s hash names the whole prefix), so one probe at the end
+/// settles a run the prompt passes through whole, and a binary search finds where it leaves
+/// one: `O(log n)` probes, where a compare would read every block. Input that is not a chain
+/// gets an answer that keeps the trie consistent, not an exact one.
+fn matched(run: &[u64], rest: &[u64]) -> usize {
+    let n = run.len().min(rest.len());
+    if n == 0 || run[n - 1] == rest[n - 1] {
+        return n;
+    }
+    // Invariant: blocks `..lo` agree (block 0 led the walk here), block `hi` does not.
+    let (mut lo, mut hi) = (1, n - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if run[mid] == rest[mid] {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 #[derive(Debug, Default)]
 struct WorkerSlots {
-    blocks: Map<u64, Held>,
+    held: HeldRuns,
     prefill_tokens: u64,
     requests: u64,
-}
-
-impl WorkerSlots {
-    /// Adds a request's chain: the blocks past the held prefix, then its pins (returned).
-    /// One map insert per new block: a new block is inserted already kept once, for the
-    /// child that follows it or, for the last, the request's pin.
-    fn hold(&mut self, blocks: &[u64]) -> SmallVec<[u64; 1]> {
-        let mut pins = SmallVec::new();
-        let h = held_prefix(blocks, &self.blocks);
-        let mut parent = h.checked_sub(1).map(|i| blocks[i]);
-        // Whether `parent` was inserted by this call (and so holds a provisional keep).
-        let mut parent_new = false;
-        self.blocks.reserve(blocks.len() - h);
-        for &b in &blocks[h..] {
-            match self.blocks.entry(b) {
-                Entry::Occupied(_) => {
-                    // Not a chain: b is held under another parent. What was built so far is
-                    // kept by a pin of its own (a new parent's provisional keep becomes it).
-                    match parent {
-                        Some(p) if parent_new => pins.push(p),
-                        Some(p) => self.pin(p, &mut pins),
-                        None => {}
-                    }
-                    parent_new = false;
-                }
-                Entry::Vacant(e) => {
-                    e.insert(Held {
-                        parent: parent.unwrap_or(0),
-                        has_parent: parent.is_some(),
-                        keeps: 1,
-                    });
-                    // A new parent's provisional keep is this child; a held one gains it.
-                    if !parent_new
-                        && let Some(p) = parent
-                        && let Some(ph) = self.blocks.get_mut(&p)
-                    {
-                        ph.keeps += 1;
-                    }
-                    parent_new = true;
-                }
-            }
-            parent = Some(b);
-        }
-        match parent {
-            Some(last) if parent_new => pins.push(last),
-            Some(last) => self.pin(last, &mut pins),
-            None => {}
-        }
-        pins
-    }
-
-    fn pin(&mut self, b: u64, pins: &mut SmallVec<[u64; 1]>) {
-        if let Some(h) = self.blocks.get_mut(&b) {
-            h.keeps += 1;
-            pins.push(b);
-        }
-    }
-
-    /// Undoes [`Self::hold`] for a request whose prompt was `blocks`: unpins each pin and
-    /// removes blocks upward while nothing keeps them, then shrinks a map that held a huge
-    /// load. The last pin is the prompt's last block, and for a chain the blocks above it
-    /// are the prompt's own in reverse: they are walked from the list (whose next key is
-    /// known before the current lookup ends, so the lookups overlap) rather than from each
-    /// removed block's parent.
-    fn release(&mut self, pins: &[u64], blocks: &[u64]) {
-        let Some((&last, others)) = pins.split_last() else {
-            return;
-        };
-        for &pin in others {
-            self.unkeep_from(pin);
-        }
-        debug_assert_eq!(blocks.last(), Some(&last));
-        for i in (0..blocks.len()).rev() {
-            match self.unkeep(blocks[i]) {
-                None => break,
-                Some(p) if i > 0 && blocks[i - 1] == p => {}
-                Some(p) => {
-                    // Not the prompt's own parent (not a chain): follow the stored one.
-                    self.unkeep_from(p);
-                    break;
-                }
-            }
-        }
-        // A map that held a huge load keeps no more than four times what it holds now
-        // (amortised: half its entries go between two shrinks), so that its memory follows
-        // the load instead of its high-water mark.
-        let (len, cap) = (self.blocks.len(), self.blocks.capacity());
-        if cap > KEEP_IDLE_CAPACITY && len < cap / 4 {
-            self.blocks.shrink_to(len * 2);
-        }
-    }
-
-    /// Drops one keep of block `b`, and upward from it while nothing keeps a block.
-    fn unkeep_from(&mut self, b: u64) {
-        let mut next = Some(b);
-        while let Some(b) = next {
-            next = self.unkeep(b);
-        }
-    }
-
-    /// Drops one keep of block `b`; when nothing keeps it any more it is removed, and its
-    /// parent (which loses a keep in turn) is returned.
-    fn unkeep(&mut self, b: u64) -> Option<u64> {
-        let Entry::Occupied(mut e) = self.blocks.entry(b) else {
-            debug_assert!(false, "a kept block is held");
-            return None;
-        };
-        let h = e.get_mut();
-        debug_assert!(h.keeps > 0, "a held block is kept");
-        h.keeps = h.keeps.saturating_sub(1);
-        if h.keeps > 0 {
-            return None;
-        }
-        let h = e.remove();
-        h.has_parent.then_some(h.parent)
-    }
 }
 
 #[derive(Debug)]
 struct Active {
     worker: WorkerDp,
-    /// The blocks its prompt named (what the budget counts, and what release walks).
-    blocks: Vec<u64>,
-    /// Its pins in its worker's held tree (usually one: its last block).
-    pins: SmallVec<[u64; 1]>,
+    /// Blocks its prompt named while it holds them (what the budget counts); 0 once shed.
+    held: u64,
+    /// The run its prompt ends at in its worker's [`HeldRuns`], while it holds blocks.
+    pin: Option<u32>,
     prefill_tokens: u64,
     last_ms: u64,
     /// Order of its add (the key in [`Slots::holding`] while it holds blocks).
@@ -252,25 +440,6 @@ pub struct Slots {
     next_seq: u64,
     /// Requests whose blocks were shed, ever.
     shed_requests: u64,
-}
-
-/// The length of the longest prefix of `blocks` (a chain of sequence hashes) that `held`
-/// holds, assuming what it holds is prefix-closed (see the [module docs](self)).
-fn held_prefix(blocks: &[u64], held: &Map<u64, Held>) -> usize {
-    if held.is_empty() {
-        return 0;
-    }
-    // Invariant: blocks[..lo] held, blocks[hi..] not.
-    let (mut lo, mut hi) = (0, blocks.len());
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if held.contains_key(&blocks[mid]) {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    lo
 }
 
 impl Slots {
@@ -319,13 +488,12 @@ impl Slots {
                 debug_assert!(false, "a holding request is active");
                 continue;
             };
-            let pins = std::mem::take(&mut r.pins);
-            let blocks = std::mem::take(&mut r.blocks);
+            let pin = r.pin.take();
+            self.held_blocks -= std::mem::take(&mut r.held);
             let worker = r.worker;
-            self.held_blocks -= blocks.len() as u64;
             self.shed_requests += 1;
-            if let Some(w) = self.workers.get_mut(&worker) {
-                w.release(&pins, &blocks);
+            if let (Some(pin), Some(w)) = (pin, self.workers.get_mut(&worker)) {
+                w.held.release(pin);
             }
         }
     }
@@ -372,20 +540,21 @@ impl Slots {
         if !blocks.is_empty() {
             self.holding.insert(seq, request_id.into());
         }
+        let held = blocks.len() as u64;
         let w = self.workers.entry(worker).or_default();
-        let pins = w.hold(&blocks);
+        let pin = w.held.hold(blocks);
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
         if w.requests == self.worker_cap {
             self.full += 1;
         }
-        self.held_blocks += blocks.len() as u64;
+        self.held_blocks += held;
         self.requests.insert(
             request_id.into(),
             Active {
                 worker,
-                blocks,
-                pins,
+                held,
+                pin,
                 prefill_tokens,
                 last_ms: now_ms,
                 seq,
@@ -425,27 +594,24 @@ impl Slots {
     }
 
     fn release(&mut self, r: &Active) {
-        if !r.blocks.is_empty() {
-            self.held_blocks -= r.blocks.len() as u64;
+        if r.held > 0 {
+            self.held_blocks -= r.held;
             self.holding.remove(&r.seq);
         }
         let Some(w) = self.workers.get_mut(&r.worker) else {
             return;
         };
-        w.release(&r.pins, &r.blocks);
+        if let Some(pin) = r.pin {
+            w.held.release(pin);
+        }
         w.prefill_tokens -= r.prefill_tokens;
         if w.requests == self.worker_cap {
             self.full -= 1;
         }
         w.requests -= 1;
         if w.requests == 0 {
-            debug_assert!(w.blocks.is_empty() && w.prefill_tokens == 0);
-            if w.blocks.capacity() > KEEP_IDLE_CAPACITY {
-                w.blocks = Map::default();
-            } else {
-                // Empty already; this resets the removals' tombstones, keeping the capacity.
-                w.blocks.clear();
-            }
+            debug_assert!(w.prefill_tokens == 0);
+            w.held.reset();
         }
     }
 
@@ -474,7 +640,7 @@ impl Slots {
 
     fn recount(&mut self) {
         self.recount_full();
-        self.held_blocks = self.requests.values().map(|r| r.blocks.len() as u64).sum();
+        self.held_blocks = self.requests.values().map(|r| r.held).sum();
         let requests = &self.requests;
         self.holding.retain(|_, id| requests.contains_key(id));
     }
@@ -490,7 +656,7 @@ impl Slots {
         self.workers
             .get(&worker)
             .map_or_else(WorkerLoad::default, |w| WorkerLoad {
-                active_blocks: w.blocks.len() as u64,
+                active_blocks: w.held.blocks,
                 active_prefill_tokens: w.prefill_tokens,
                 active_requests: w.requests,
             })
@@ -500,7 +666,7 @@ impl Slots {
     /// `blocks` is a prompt's chain of sequence hashes.
     pub fn potential_blocks(&self, worker: WorkerDp, blocks: &[u64]) -> u64 {
         match self.workers.get(&worker) {
-            Some(w) => (w.blocks.len() + blocks.len() - held_prefix(blocks, &w.blocks)) as u64,
+            Some(w) => w.held.blocks + (blocks.len() - w.held.find(blocks).held) as u64,
             None => blocks.len() as u64,
         }
     }
@@ -532,9 +698,9 @@ impl Slots {
             .iter()
             .filter(|(_, s)| s.requests > 0)
             .map(|(&w, s)| {
-                let held = held_prefix(blocks, &s.blocks);
-                let new = blocks.len() - held;
-                (w, ((s.blocks.len() + new) as u64, held as u32))
+                let held = s.held.find(blocks).held;
+                let new = (blocks.len() - held) as u64;
+                (w, (s.held.blocks + new, held as u32))
             })
             .collect();
         let busy = |w: WorkerDp| busy.get(&w).copied().unwrap_or((n, 0));
@@ -669,12 +835,15 @@ mod tests {
                 }
                 let held: Vec<&(String, WorkerDp, Vec<u64>, bool, u64)> = live
                     .iter()
-                    .filter(|r| s.requests.get(&r.0).is_some_and(|a| !a.blocks.is_empty()))
+                    .filter(|r| s.requests.get(&r.0).is_some_and(|a| a.held > 0))
                     .collect();
                 prop_assert_eq!(
                     s.held_blocks(),
                     held.iter().map(|r| r.2.len() as u64).sum::<u64>()
                 );
+                for w in s.workers.values() {
+                    w.held.check();
+                }
                 if all_chains {
                     for w in 1..=3u64 {
                         let w = WorkerDp::new(w, 0);
@@ -692,7 +861,7 @@ mod tests {
             for (id, ..) in live {
                 s.free(&id).unwrap();
             }
-            prop_assert!(s.workers.values().all(|w| w.blocks.is_empty()));
+            prop_assert!(s.workers.values().all(|w| w.held.is_empty() && w.held.edges.is_empty()));
             prop_assert_eq!(s.held_blocks(), 0);
         }
     }
@@ -768,19 +937,75 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_worker_gives_a_huge_map_back() {
+    fn a_huge_prompt_leaves_nothing_behind() {
         let mut s = Slots::new(1000);
         s.add("huge", A, (0..100_000).collect(), 0, 0).unwrap();
         s.add("small", A, vec![0, 1], 0, 0).unwrap();
+        assert_eq!(s.load(A).active_blocks, 100_000);
         s.free("huge").unwrap();
-        assert!(s.workers[&A].blocks.capacity() < 100);
+        // Only the small prompt's run is left, and only its memory.
+        assert_eq!(s.load(A).active_blocks, 2);
+        assert!(s.workers[&A].held.capacity_blocks() < 100);
         s.free("small").unwrap();
-        s.add("huge", A, (0..100_000).collect(), 0, 0).unwrap();
-        s.free("huge").unwrap();
-        assert_eq!(s.workers[&A].blocks.capacity(), 0);
+        assert_eq!(s.workers[&A].held.capacity_blocks(), 0);
+        // A worker that went idle with a huge run table gives it back.
+        for i in 0..=KEEP_IDLE_RUNS as u64 {
+            s.add(&format!("r{i}"), A, vec![i], 0, 0).unwrap();
+        }
+        for i in 0..=KEEP_IDLE_RUNS as u64 {
+            s.free(&format!("r{i}")).unwrap();
+        }
+        assert_eq!(s.workers[&A].held.runs.capacity(), 0);
         s.add("small", A, vec![1, 2], 0, 0).unwrap();
         s.free("small").unwrap();
-        assert!(s.workers[&A].blocks.capacity() > 0);
+        assert!(s.workers[&A].held.runs.capacity() > 0);
+    }
+
+    /// A new prompt's vector becomes its run as it is, a session's next turn adds one run
+    /// of its new blocks, and the trie splits and merges back as requests come and go.
+    #[test]
+    fn runs_split_and_merge_back() {
+        let mut s = Slots::new(1000);
+        let turn1: Vec<u64> = (1..=6).collect();
+        let ptr = turn1.as_ptr();
+        s.add("t1", A, turn1, 0, 0).unwrap();
+        let runs = |s: &Slots| {
+            let h = &s.workers[&A].held;
+            h.check();
+            let mut v: Vec<Vec<u64>> = h
+                .runs
+                .iter()
+                .filter(|r| !r.blocks.is_empty())
+                .map(|r| r.blocks.clone())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            s.workers[&A].held.runs[0].blocks.as_ptr(),
+            ptr,
+            "moved, not copied"
+        );
+        // The next turn extends it: one more run.
+        s.add("t2", A, (1..=8).collect(), 0, 0).unwrap();
+        assert_eq!(runs(&s), [vec![1, 2, 3, 4, 5, 6], vec![7, 8]]);
+        // A prompt that leaves it in the middle splits it; one that ends inside splits too.
+        s.add("b", A, vec![1, 2, 9], 0, 0).unwrap();
+        s.add("c", A, vec![1], 0, 0).unwrap();
+        assert_eq!(
+            runs(&s),
+            [vec![1], vec![2], vec![3, 4, 5, 6], vec![7, 8], vec![9]]
+        );
+        assert_eq!(s.load(A).active_blocks, 9);
+        assert_eq!(s.potential_blocks(A, &[1, 2, 3, 4, 10]), 10);
+        // Releasing merges what no longer branches or ends a request.
+        s.free("c").unwrap();
+        s.free("b").unwrap();
+        assert_eq!(runs(&s), [vec![1, 2, 3, 4, 5, 6], vec![7, 8]]);
+        s.free("t1").unwrap();
+        assert_eq!(runs(&s), [vec![1, 2, 3, 4, 5, 6, 7, 8]]);
+        s.free("t2").unwrap();
+        assert_eq!(s.load(A), WorkerLoad::default());
     }
 
     #[test]
@@ -841,7 +1066,7 @@ mod tests {
         assert_eq!(s.workers().map(|(w, _)| w).collect::<Vec<_>>(), [A]);
     }
 
-    /// The held prefix found by binary search is the exact count of held blocks whenever
+    /// The held prefix found by the walk is the exact count of held blocks whenever
     /// what a worker holds is whole prompts' chains.
     #[test]
     fn held_prefix_is_exact_on_chains() {
@@ -855,18 +1080,20 @@ mod tests {
             let mut s = Slots::new(1000);
             // A few prompts sharing prefixes of random lengths.
             let base: Vec<u64> = (0..64).map(|_| rng.below(4) as u64).collect();
+            let mut added = Vec::new();
             for r in 0..rng.below(5) {
                 let keep = rng.below(64);
                 let mut p = base[..keep].to_vec();
                 p.extend((0..rng.below(40)).map(|_| 100 + rng.below(1000) as u64));
                 s.add(&format!("{round}-{r}"), A, chain(&p), 0, 0).unwrap();
+                added.push(chain(&p));
             }
             let keep = rng.below(64);
             let mut q = base[..keep].to_vec();
             q.extend((0..rng.below(40)).map(|_| 5000 + rng.below(1000) as u64));
             let q = chain(&q);
-            let held = s.workers.get(&A).map(|w| &w.blocks);
-            let exact = held.map_or(0, |h| q.iter().filter(|b| h.contains_key(b)).count());
+            let held: std::collections::HashSet<u64> = added.iter().flatten().copied().collect();
+            let exact = q.iter().filter(|b| held.contains(b)).count();
             let active = s.load(A).active_blocks;
             assert_eq!(s.potential_blocks(A, &q), active + (q.len() - exact) as u64);
         }
