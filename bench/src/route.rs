@@ -1,6 +1,8 @@
 //! Routing-API load generator over loopback: the router serves `/v1/route` from an index
 //! loaded with a replay log's events; a client thread sends the log's queries over
-//! keep-alive HTTP connections and frees each request after its decision.
+//! keep-alive HTTP connections and frees each request after its decision, or, with
+//! `active`, keeps that many routed requests running (the oldest is freed when a route
+//! would pass it), so that the slot manager holds what a busy fleet's would.
 //!
 //! * **open loop** at a fixed rate (`--rate`): decision latency p50/p99/p999 as the client
 //!   sees it (send to full answer, loopback included);
@@ -179,6 +181,7 @@ pub fn run(
     connections: usize,
     binary: bool,
     overlaps: bool,
+    active: usize,
 ) -> anyhow::Result<RouteReport> {
     let path = if overlaps {
         "/v1/overlaps"
@@ -242,6 +245,8 @@ pub fn run(
                 let mut lat = Vec::new();
                 let t0 = Instant::now();
                 let mut i = c * 7919;
+                let keep = active / connections + usize::from(c < active % connections);
+                let mut running = std::collections::VecDeque::with_capacity(keep + 1);
                 let mut sent = 0u64;
                 while t0.elapsed() < duration {
                     if per_conn_rate > 0.0 {
@@ -258,8 +263,16 @@ pub fn run(
                         request_with(&mut stream, &mut buf, "POST", &path, &headers, body)?;
                     lat.push(t.elapsed().as_nanos() as u64);
                     if !overlaps {
-                        free_routed(&mut stream, &mut buf, &answer)?;
+                        running.push_back(answer);
+                        while running.len() > keep {
+                            if let Some(oldest) = running.pop_front() {
+                                free_routed(&mut stream, &mut buf, &oldest)?;
+                            }
+                        }
                     }
+                }
+                for answer in running {
+                    free_routed(&mut stream, &mut buf, &answer)?;
                 }
                 Ok(lat)
             })

@@ -148,6 +148,11 @@ enum Cmd {
         /// Send the queries to `/v1/overlaps` instead (client-side figures only).
         #[arg(long)]
         overlaps: bool,
+        /// Routed requests kept active (spread over the connections; the oldest is freed
+        /// when a route would pass it), as a fleet's running requests are; 0 frees each
+        /// request at once.
+        #[arg(long, default_value_t = 0)]
+        active: usize,
     },
     /// Restart recovery: a `kvrouter serve` process restoring a snapshot of `--blocks`
     /// blocks, from spawn to serving.
@@ -285,6 +290,7 @@ fn main() -> anyhow::Result<()> {
             runs,
             binary,
             overlaps,
+            active,
         } => {
             let loaded = LoadedLog::load(&log)?;
             let mut reports = Vec::new();
@@ -296,6 +302,7 @@ fn main() -> anyhow::Result<()> {
                     connections,
                     binary,
                     overlaps,
+                    active,
                 )?;
                 eprintln!("run {}: {}", run + 1, serde_json::to_string(&r)?);
                 reports.push(r);
@@ -304,7 +311,7 @@ fn main() -> anyhow::Result<()> {
                 median(reports.iter().map(f).collect())
             };
             println!(
-                "{} ({} cached blocks, {}, target {rate}/s, {connections} connection(s), median of {runs}): {:.0} requests/s; \
+                "{} ({} cached blocks, {}, target {rate}/s, {connections} connection(s), {active} kept active, median of {runs}): {:.0} requests/s; \
                  client-side p50/p99/p999 {:.1}/{:.1}/{:.1} us; server-side decision p50/p99/p999 {:.1}/{:.1}/{:.1} us",
                 if overlaps {
                     "/v1/overlaps"
