@@ -18,17 +18,18 @@
 //! ([`HeldRuns`]): a run is a stretch of blocks, in a plain vector, with no branch and no
 //! request ending inside it. A request *pins* the run its prompt ends at; a run lives while
 //! it is pinned or branches, and `active_blocks` is the sum of the runs' lengths. Adding a
-//! prompt walks the trie from its first block (one map probe per run entered, then eight
-//! hashes per step along the run), splits the run where the prompt leaves it or ends inside
-//! it, and attaches the rest as one new run; releasing it unpins that run and removes, or
-//! merges into its only child, each run upward that nothing keeps any more. So the per-block
-//! work of a request is a vector compare and one copy of its new blocks (none when it shares
-//! nothing: its own vector becomes the run), never a hash-map entry per block: an agentic
+//! prompt walks the trie from its first block (one map probe per run entered, then, since
+//! the hashes are chains, one probe at the run's end or a binary search where the prompt
+//! leaves it), splits the run where the prompt leaves it or ends inside it, and attaches the
+//! rest as one new run; releasing it unpins that run and removes, or merges into its only
+//! child, each run upward that nothing keeps any more. So the per-block work of a request is
+//! at most one copy of its new blocks (none when it shares nothing: its own vector becomes
+//! the run), never a hash-map entry per block: an agentic
 //! prompt of about 1,900 blocks that the worker does not hold used to cost 1,900 map inserts
 //! on add and as many removals on release (docs/BENCHMARKS.md, "Slot manager"). Pricing a
 //! request walks the same way on each busy worker. Input that is not a chain (a hash seen
-//! under two parents) stays consistent: the trie is keyed by path, so such a block counts
-//! once per path that holds it, and every pin is undone on release.
+//! under two parents) keeps the trie consistent, and every pin is undone on release, but its
+//! counts are not exact: the walk's probes assume chains.
 //!
 //! A worker whose last request is released keeps its (empty) run table, so that a worker
 //! that goes idle between requests does not allocate and free one per request; the table
@@ -248,15 +249,8 @@ impl HeldRuns {
             pins: 0,
         });
         self.runs[run as usize].parent = head;
-        self.edges.insert((parent, head_first), head);
+        self.replace_child(parent, head_first, run, head);
         self.edges.insert((head, tail_first), run);
-        if parent != NO_RUN {
-            for c in self.runs[parent as usize].children.iter_mut() {
-                if *c == run {
-                    *c = head;
-                }
-            }
-        }
         head
     }
 
@@ -289,15 +283,20 @@ impl HeldRuns {
         let first = blocks[0];
         child.blocks = blocks;
         child.parent = r.parent;
-        self.edges.insert((r.parent, first), c);
-        if r.parent != NO_RUN {
-            for x in self.runs[r.parent as usize].children.iter_mut() {
-                if *x == run {
-                    *x = c;
+        self.replace_child(r.parent, first, run, c);
+        self.kill(run);
+    }
+
+    /// Puts run `new` where `old` (whose first block is `first`) hung under `parent`.
+    fn replace_child(&mut self, parent: u32, first: u64, old: u32, new: u32) {
+        self.edges.insert((parent, first), new);
+        if parent != NO_RUN {
+            for c in self.runs[parent as usize].children.iter_mut() {
+                if *c == old {
+                    *c = new;
                 }
             }
         }
-        self.kill(run);
     }
 
     fn alloc(&mut self, run: Run) -> u32 {
@@ -332,7 +331,7 @@ impl HeldRuns {
         }
     }
 
-    /// Hashes of memory this trie holds (run vectors' capacity), for tests and sizing.
+    /// Blocks of memory the runs' vectors hold (their capacity), for tests.
     #[cfg(test)]
     fn capacity_blocks(&self) -> usize {
         self.runs.iter().map(|r| r.blocks.capacity()).sum()
