@@ -60,6 +60,11 @@ pub(crate) struct BenchArgs {
     /// (Dynamo's `host_cache_hit_weight`), in [0, 1]; `dynamo` always uses 0.75.
     #[arg(long, default_value_t = CostConfig::default().host_cache_hit_weight)]
     host_cache_hit_weight: f64,
+    /// Credit per shared-pool block at or past a worker's device prefix (Dynamo's
+    /// `shared_cache_multiplier`: 0 without a shared cache, 0.5 with HiCache), for our
+    /// policies and `dynamo` alike.
+    #[arg(long, default_value_t = CostConfig::default().shared_cache_multiplier)]
+    shared_cache_multiplier: f64,
     /// Our policies' softmax temperature (0: lowest cost wins).
     #[arg(long, default_value_t = CostConfig::default().temperature)]
     temperature: f64,
@@ -135,6 +140,12 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if args.engine.host_blocks > 0 && !positive(args.engine.host_gbps) {
         bail!("--host-gbps must be positive");
     }
+    if args.engine.pool_blocks > 0 && args.nats.is_some() {
+        bail!("--pool-blocks runs in-process only (the networked engines share no pool)");
+    }
+    if args.engine.pool_blocks > 0 && !positive(args.engine.pool_gbps) {
+        bail!("--pool-gbps must be positive");
+    }
     if args.engine.block_size == 0 || 512 % args.engine.block_size != 0 {
         bail!("--block-size must divide 512 (the trace's block size)");
     }
@@ -156,6 +167,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             prefill_load_scale: args.prefill_load_scale,
             new_block_weight: args.new_block_weight,
             host_cache_hit_weight: args.host_cache_hit_weight,
+            shared_cache_multiplier: args.shared_cache_multiplier,
             temperature: args.temperature,
             credit_inflight: args.credit_inflight,
             saturation_weight: args.saturation_weight,
@@ -164,12 +176,13 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         time: CostConfig {
             decode_delay_weight: args.decode_delay_weight,
             credit_inflight: args.time_credit_inflight,
+            shared_cache_multiplier: args.shared_cache_multiplier,
             ..CostConfig::time()
         },
         remember_ms: args.remember_secs.saturating_mul(1000),
     };
     cfg.cost.check().context(
-        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --temperature, --saturation-weight)",
+        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --shared-cache-multiplier, --temperature, --saturation-weight)",
     )?;
     cfg.time
         .check()
@@ -326,6 +339,14 @@ pub(crate) struct EngineFlags {
     /// Host-to-device bandwidth for onloads, GB/s.
     #[arg(long, default_value_t = 25.0)]
     host_gbps: f64,
+    /// The fleet's shared pool, blocks (0: none; in-process runs only): a cache every
+    /// engine writes each prompt through to and onloads from (an LMCache server, a
+    /// Mooncake store), publishing `cache_owner` KV events.
+    #[arg(long, default_value_t = 0)]
+    pool_blocks: usize,
+    /// Pool-to-device bandwidth for onloads, GB/s (a network or storage hop).
+    #[arg(long, default_value_t = 10.0)]
+    pool_gbps: f64,
     /// KV bytes per token (the onload size of a block is this × block size; the default is
     /// Llama-3-8B's: 2 × 32 layers × 8 KV heads × 128 × 2 bytes).
     #[arg(long, default_value_t = 131_072)]
@@ -342,6 +363,10 @@ impl EngineFlags {
             host_capacity_blocks: self.host_blocks,
             onload_ms_per_block: (self.kv_bytes_per_token * u64::from(self.block_size)) as f64
                 / (self.host_gbps * 1e9)
+                * 1e3,
+            pool_capacity_blocks: self.pool_blocks,
+            pool_onload_ms_per_block: (self.kv_bytes_per_token * u64::from(self.block_size)) as f64
+                / (self.pool_gbps * 1e9)
                 * 1e3,
             ..EngineConfig::default()
         }

@@ -165,6 +165,58 @@ fn bench_reads_a_trace_file_and_rejects_bad_usage() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("trace line 1"));
 }
 
+#[test]
+fn bench_with_a_shared_pool_onloads_across_workers() {
+    let dir = TempDir::new("pool");
+    let trace = dir.path().join("t.jsonl");
+    let json = dir.path().join("out.json");
+    // The second request comes after the first one's prefill has completed.
+    std::fs::write(
+        &trace,
+        "{\"timestamp\":0,\"input_length\":1024,\"output_length\":4,\"hash_ids\":[1,2]}\n\
+         {\"timestamp\":2000,\"input_length\":1024,\"output_length\":4,\"hash_ids\":[1,2]}\n",
+    )
+    .unwrap();
+    let t = trace.to_str().unwrap();
+    kvrouter_ok(&[
+        "bench",
+        "--trace",
+        t,
+        "--workers",
+        "2",
+        "--policies",
+        "round-robin",
+        "--pool-blocks",
+        "64",
+        "--shared-cache-multiplier",
+        "0.5",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    // Round-robin sends the second request to the other worker, which onloads the whole
+    // prompt from the pool the first one wrote: half of all prompt blocks.
+    let v: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let r = &v["round-robin"];
+    assert_eq!(r["pool_hit_ratio"].as_f64(), Some(0.5), "{r}");
+    assert_eq!(r["prefix_hit_ratio"].as_f64(), Some(0.0), "{r}");
+    assert!(r["host_hit_ratio"].is_null());
+    for bad in [
+        vec![
+            "bench",
+            "--trace",
+            t,
+            "--pool-blocks",
+            "64",
+            "--pool-gbps",
+            "0",
+        ],
+        vec!["bench", "--trace", t, "--shared-cache-multiplier", "-1"],
+    ] {
+        let out = kvrouter(&bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+    }
+}
+
 /// Processes whose command line contains `needle` (from /proc).
 fn processes_with(needle: &str) -> usize {
     std::fs::read_dir("/proc")

@@ -16,16 +16,25 @@
 //!   device prefix continues in host memory onloads those blocks instead of prefilling
 //!   them (they stay in host memory too), at `onload_ms_per_block` each, added to the
 //!   step that admits it.
+//! * **Shared pool** (optional, one [`SharedPool`] for the whole fleet): a cache every
+//!   engine reads and writes, as an LMCache server, a Mooncake store or SGLang HiCache's
+//!   storage tier are. An engine writes each prompt's blocks through to it when the prefill
+//!   completes (not charged: such stores are asynchronous); the pool evicts its least
+//!   recently used blocks and publishes its own KV events, residency `cache_owner`, as a
+//!   source that is no worker. A request whose device and host prefix continues in the pool
+//!   onloads those blocks at the pool's (slower) cost per block.
 //! * **Timing model** (documented in `docs/HARNESS.md`): a step with `T` prefill tokens and
 //!   `D` decode requests over `K` cached tokens of running requests takes
 //!   `(prefill_c + prefill_b·T + prefill_a·T²) [if T > 0] + decode_base + decode_per_ktoken·K/1000`
 //!   milliseconds, divided by `speedup`.
 
+use std::cell::RefCell;
 use std::collections::{BTreeSet, VecDeque};
+use std::rc::Rc;
 
 use ahash::{AHashMap as HashMap, AHashSet};
 
-use kvrouter_core::event::{KvCacheEvent, RouterEvent};
+use kvrouter_core::event::{KvCacheEvent, ResidencyDomain, RouterEvent};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash};
 use kvrouter_core::worker::{StorageTier, WorkerId};
 
@@ -56,6 +65,10 @@ pub struct EngineConfig {
     pub host_capacity_blocks: usize,
     /// Time to copy one block from host memory to the device (ms, before `speedup`).
     pub onload_ms_per_block: f64,
+    /// Capacity of the fleet's shared pool, blocks (0: none; [`SharedPool`]).
+    pub pool_capacity_blocks: usize,
+    /// Time to copy one block from the shared pool to the device (ms, before `speedup`).
+    pub pool_onload_ms_per_block: f64,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +86,8 @@ impl Default for EngineConfig {
             speedup: 1.0,
             host_capacity_blocks: 0,
             onload_ms_per_block: 0.0,
+            pool_capacity_blocks: 0,
+            pool_onload_ms_per_block: 0.0,
         }
     }
 }
@@ -136,6 +151,121 @@ impl HostTier {
             self.lru.remove(&(old, seq));
         }
         self.lru.insert((clock, seq));
+    }
+}
+
+/// The fleet's shared pool (see the [module docs](self)): blocks by sequence hash, least
+/// recently used first, and the KV events it publishes as `source`, residency
+/// `cache_owner`.
+#[derive(Debug)]
+pub struct SharedPool {
+    source: WorkerId,
+    capacity: usize,
+    held: HostTier,
+    clock: u64,
+    next_event_id: u64,
+    /// Prompt blocks the engines onloaded from it.
+    pub hit_blocks: u64,
+}
+
+impl SharedPool {
+    /// An empty pool of `capacity` blocks publishing as `source`.
+    pub fn new(source: WorkerId, capacity: usize) -> Self {
+        Self {
+            source,
+            capacity,
+            held: HostTier::default(),
+            clock: 0,
+            next_event_id: 0,
+            hit_blocks: 0,
+        }
+    }
+
+    /// Blocks held now.
+    pub fn blocks(&self) -> usize {
+        self.held.blocks.len()
+    }
+
+    /// How many blocks of `chain` from `from` on it holds, contiguously.
+    fn continuation(&self, chain: &[(LocalBlockHash, SequenceBlockHash)], from: usize) -> usize {
+        chain[from..]
+            .iter()
+            .take_while(|(_, s)| self.held.blocks.contains_key(&s.0))
+            .count()
+    }
+
+    /// Marks `chain`'s blocks used (read by an onload).
+    fn touch(&mut self, chain: &[(LocalBlockHash, SequenceBlockHash)]) {
+        for (_, s) in chain {
+            self.clock += 1;
+            self.held.touch(s.0, self.clock);
+        }
+    }
+
+    /// Writes a prompt's blocks through (parent first), evicting the least recently used
+    /// to make room; appends its events to `out` in the order things happened. A prompt
+    /// longer than the pool is written up to the pool's size: the blocks it writes are the
+    /// most recently used, so they never evict its own earlier ones.
+    fn write_through(
+        &mut self,
+        chain: &[(LocalBlockHash, SequenceBlockHash)],
+        out: &mut Vec<RouterEvent>,
+    ) {
+        let chain = &chain[..chain.len().min(self.capacity)];
+        // The run of new blocks not yet published (its parent), or the removals.
+        let mut stored: Option<(Option<u64>, Chain)> = None;
+        let mut removed: Vec<SequenceBlockHash> = Vec::new();
+        for (i, &(l, s)) in chain.iter().enumerate() {
+            self.clock += 1;
+            if self.held.blocks.contains_key(&s.0) {
+                self.held.touch(s.0, self.clock);
+                if let Some((parent, blocks)) = stored.take() {
+                    self.emit(
+                        out,
+                        KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks),
+                    );
+                }
+                continue;
+            }
+            while self.held.blocks.len() >= self.capacity {
+                let Some(&(stamp, victim)) = self.held.lru.iter().next() else {
+                    break;
+                };
+                self.held.lru.remove(&(stamp, victim));
+                self.held.blocks.remove(&victim);
+                if let Some((parent, blocks)) = stored.take() {
+                    self.emit(
+                        out,
+                        KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks),
+                    );
+                }
+                removed.push(SequenceBlockHash(victim));
+            }
+            if !removed.is_empty() {
+                let gone = std::mem::take(&mut removed);
+                self.emit(out, KvCacheEvent::removed(0, 0, gone));
+            }
+            self.held.touch(s.0, self.clock);
+            match &mut stored {
+                Some((_, blocks)) => blocks.push((l, s)),
+                None => stored = Some(((i > 0).then(|| chain[i - 1].1.0), vec![(l, s)])),
+            }
+        }
+        if let Some((parent, blocks)) = stored {
+            self.emit(
+                out,
+                KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks),
+            );
+        }
+    }
+
+    /// Numbers `event` in the pool's sequence and queues it as the pool's.
+    fn emit(&mut self, out: &mut Vec<RouterEvent>, mut event: KvCacheEvent) {
+        event.event_id = self.next_event_id;
+        self.next_event_id += 1;
+        let mut e = RouterEvent::new(self.source, event);
+        e.residency_domain = Some(ResidencyDomain::CacheOwner);
+        out.push(e);
     }
 }
 
@@ -224,6 +354,8 @@ pub struct Engine {
     next_event_id: u64,
     events: Vec<RouterEvent>,
     host: HostTier,
+    /// The fleet's shared pool, when there is one.
+    pool: Option<Rc<RefCell<SharedPool>>>,
     /// Onload time owed by requests admitted since the last step (ms).
     onload_ms: f64,
     /// Bumped by every change that can let a waiting request in: a block cached or
@@ -254,6 +386,7 @@ impl Engine {
             next_event_id: 0,
             events: Vec::new(),
             host: HostTier::default(),
+            pool: None,
             onload_ms: 0.0,
             generation: 0,
             blocked_at: None,
@@ -261,6 +394,11 @@ impl Engine {
             host_hit_blocks: 0,
             prompt_blocks: 0,
         }
+    }
+
+    /// Reads and writes through `pool`, the fleet's shared pool.
+    pub fn attach_pool(&mut self, pool: Rc<RefCell<SharedPool>>) {
+        self.pool = Some(pool);
     }
 
     /// Queues a request.
@@ -414,6 +552,11 @@ impl Engine {
                 .iter()
                 .take_while(|(_, s)| self.host.blocks.contains_key(&s.0))
                 .count();
+            // And its continuation in the shared pool.
+            let pooled = self
+                .pool
+                .as_ref()
+                .map_or(0, |p| p.borrow().continuation(&r.blocks, hit + onload));
             let need = r.blocks.len() - hit;
             let free = self.cfg.capacity_blocks.saturating_sub(self.blocks.len());
             let evictable = self.leaves.len();
@@ -432,6 +575,10 @@ impl Engine {
                 self.clock += 1;
                 self.host.touch(s.0, self.clock);
             }
+            if let Some(p) = &self.pool {
+                p.borrow_mut()
+                    .touch(&r.blocks[hit + onload..hit + onload + pooled]);
+            }
             let mut removed = Vec::new();
             let mut off = Offloads::default();
             while self.blocks.len() + need > self.cfg.capacity_blocks {
@@ -441,28 +588,45 @@ impl Engine {
                 }
             }
             self.publish_evictions(off, removed);
-            let onloaded = self.onload(&r.blocks, hit, onload);
+            let onloaded = self.onload(&r.blocks, hit, onload, self.cfg.onload_ms_per_block);
+            // The pool's blocks continue the prefix only if all of host memory's came.
+            let from_pool = if onloaded == onload && pooled > 0 {
+                let n = self.onload(
+                    &r.blocks,
+                    hit + onload,
+                    pooled,
+                    self.cfg.pool_onload_ms_per_block,
+                );
+                if let Some(p) = &self.pool {
+                    p.borrow_mut().hit_blocks += n as u64;
+                }
+                n
+            } else {
+                0
+            };
+            let cached = hit + onloaded + from_pool;
             self.hit_blocks += hit as u64;
             self.host_hit_blocks += onloaded as u64;
             self.prompt_blocks += r.blocks.len() as u64;
-            r.cached_blocks = hit + onloaded;
-            r.hit_blocks = hit + onloaded;
-            r.prefilled = ((hit + onloaded) as u32 * self.cfg.block_size).min(r.input_tokens);
+            r.cached_blocks = cached;
+            r.hit_blocks = cached;
+            r.prefilled = (cached as u32 * self.cfg.block_size).min(r.input_tokens);
             r.admitted = true;
             self.running.push(r);
             self.generation += 1;
         }
     }
 
-    /// Copies `blocks[hit..hit + n]` from host memory to the device (room was made), holding
-    /// a reference on each for the request; publishes them as stored on the device and
-    /// charges their onload time. Returns how many were onloaded (fewer when the device is
-    /// full of blocks in use).
+    /// Copies `blocks[hit..hit + n]` from host memory or the shared pool to the device (room
+    /// was made), holding a reference on each for the request; publishes them as stored on
+    /// the device and charges `ms_per_block` each. Returns how many were onloaded (fewer
+    /// when the device is full of blocks in use).
     fn onload(
         &mut self,
         blocks: &[(LocalBlockHash, SequenceBlockHash)],
         hit: usize,
         n: usize,
+        ms_per_block: f64,
     ) -> usize {
         let mut stored = Vec::new();
         let mut parent = (hit > 0).then(|| blocks[hit - 1].1.0);
@@ -477,7 +641,7 @@ impl Engine {
         }
         let n = stored.len();
         if n > 0 {
-            self.onload_ms += n as f64 * self.cfg.onload_ms_per_block;
+            self.onload_ms += n as f64 * ms_per_block;
             self.emit(|id| {
                 KvCacheEvent::stored(id, 0, first_parent.map(SequenceBlockHash), stored)
             });
@@ -547,8 +711,11 @@ impl Engine {
             held += 1;
         }
         self.running[idx].cached_blocks = held;
-        self.running[idx].blocks = blocks;
         self.publish_evictions(off, removed);
+        if let Some(p) = &self.pool {
+            p.borrow_mut().write_through(&blocks, &mut self.events);
+        }
+        self.running[idx].blocks = blocks;
         if !stored.is_empty() {
             // One stored event, under the parent of its first block.
             let first = stored[0].1.0;
@@ -650,6 +817,11 @@ impl Engine {
     /// Blocks in host memory now.
     pub fn host_blocks(&self) -> usize {
         self.host.blocks.len()
+    }
+
+    /// Blocks in the shared pool now (`None` without one).
+    pub fn pool_blocks(&self) -> Option<usize> {
+        self.pool.as_ref().map(|p| p.borrow().blocks())
     }
 
     /// The local hash of a cached block (for tests).
@@ -805,6 +977,85 @@ mod tests {
         assert_eq!(index.block_count(), e.cached_blocks());
         assert_eq!(index.lower_block_count(), e.host_blocks());
         assert_eq!(tiers_of(&index, &[5, 6, 7, 8]).0, 0);
+    }
+
+    #[test]
+    fn a_shared_pool_serves_one_engines_prefill_to_another_and_publishes_it() {
+        use kvrouter_core::index::TierScores;
+        let cfg = EngineConfig {
+            block_size: 4,
+            capacity_blocks: 5,
+            max_batch_tokens: 100,
+            pool_capacity_blocks: 6,
+            pool_onload_ms_per_block: 2.0,
+            ..Default::default()
+        };
+        let pool = Rc::new(RefCell::new(SharedPool::new(99, cfg.pool_capacity_blocks)));
+        let mut engines = [Engine::new(1, cfg), Engine::new(2, cfg)];
+        for e in &mut engines {
+            e.attach_pool(Rc::clone(&pool));
+        }
+        let mut index = ReferenceIndex::new();
+        let run = |e: &mut Engine, index: &mut ReferenceIndex, r: EngineRequest| {
+            e.submit(r);
+            let mut ms = Vec::new();
+            while let Some((t, _)) = e.step() {
+                ms.push(t);
+            }
+            for ev in e.take_events() {
+                index
+                    .apply(ev)
+                    .expect("the engines' and the pool's events apply cleanly");
+            }
+            ms
+        };
+        // Engine 1 prefills A; the pool gets A's blocks.
+        run(
+            &mut engines[0],
+            &mut index,
+            EngineRequest::new(0, 16, 1, chain(&[1, 2, 3, 4])),
+        );
+        assert_eq!(pool.borrow().blocks(), 4);
+        // Engine 2 onloads A's four blocks from the pool (8 ms on its first step) and
+        // prefills only the fifth.
+        let ms = run(
+            &mut engines[1],
+            &mut index,
+            EngineRequest::new(1, 20, 1, chain(&[1, 2, 3, 4, 9])),
+        );
+        assert_eq!(engines[1].hit_blocks, 0);
+        assert_eq!(pool.borrow().hit_blocks, 4);
+        assert_eq!(ms[0], cfg.step_ms(4, 16) + 8.0, "{ms:?}");
+        let q: Vec<LocalBlockHash> = [1, 2, 3, 4, 9].iter().map(|&i| LocalBlockHash(i)).collect();
+        let paths: Vec<u64> = kvrouter_core::hash::sequence_hashes(&q)
+            .iter()
+            .map(|s| s.0)
+            .collect();
+        let shared = |index: &ReferenceIndex| {
+            let device = index.find_matches(&q);
+            let mut t = TierScores::new();
+            // The index finishes the scores itself.
+            index.tier_overlaps_into(&q, &paths, &device, &mut t);
+            t.shared_beyond(0)
+        };
+        assert_eq!(shared(&index), 5);
+        // A prompt of three new blocks: the pool (6) drops its least recently used.
+        run(
+            &mut engines[0],
+            &mut index,
+            EngineRequest::new(2, 12, 1, chain(&[5, 6, 7])),
+        );
+        assert_eq!(pool.borrow().blocks(), 6);
+        assert_eq!(
+            index.lower_block_count(),
+            6,
+            "the index holds exactly the pool's blocks"
+        );
+        assert_eq!(shared(&index), 3, "A's first two blocks were the oldest");
+        assert_eq!(
+            index.block_count(),
+            engines.iter().map(Engine::cached_blocks).sum::<usize>()
+        );
     }
 
     #[test]

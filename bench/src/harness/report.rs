@@ -80,6 +80,9 @@ pub struct PolicyReport {
     /// Prompt blocks onloaded from the engines' host memory / prompt blocks (`null`
     /// without a host tier).
     pub host_hit_ratio: Option<f64>,
+    /// Prompt blocks onloaded from the fleet's shared pool / prompt blocks (`null` without
+    /// a pool).
+    pub pool_hit_ratio: Option<f64>,
     /// Requests per worker.
     pub requests_per_worker: Vec<u64>,
     /// Requests completed.
@@ -219,6 +222,7 @@ impl PolicyReport {
             capacity_prefix_hit_ratio: ideals.capacity,
             offered_prefix_hit_ratio: None,
             host_hit_ratio: None,
+            pool_hit_ratio: None,
             requests_per_worker,
             completed,
             utilisation: None,
@@ -290,7 +294,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>7} {:>7} {:>7} {:>9}",
+        "{:<14} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>7} {:>7} {:>7} {:>7} {:>9}",
         "policy",
         "TTFT mean",
         "p50",
@@ -303,6 +307,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
         "hit %",
         "offered %",
         "host %",
+        "pool %",
         "cap %",
         "ideal %",
         "max/min"
@@ -310,7 +315,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>9} {:>7} {:>7.1} {:>7.1} {:>9.2}",
+            "{:<14} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>9.2} {:>8.1} {:>9} {:>7} {:>7} {:>7.1} {:>7.1} {:>9.2}",
             r.policy,
             r.ttft_ms.mean,
             r.ttft_ms.p50,
@@ -324,6 +329,8 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.offered_prefix_hit_ratio
                 .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
             r.host_hit_ratio
+                .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
+            r.pool_hit_ratio
                 .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
             r.capacity_prefix_hit_ratio * 100.0,
             r.ideal_prefix_hit_ratio * 100.0,

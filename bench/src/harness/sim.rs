@@ -1,16 +1,18 @@
 //! The discrete-event simulation: arrivals from the trace (open loop: arrival times kept,
 //! scaled by `speed`), one mock engine per worker, and the router of one policy.
 
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::rc::Rc;
 
 use kvrouter_core::decision::{Decider, DeciderConfig, Limits, Route, Selection};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash, sequence_hashes};
 use kvrouter_core::index::{ApproxConfig, Index, OverlapScores, TreeIndex};
 use kvrouter_core::policy::{CostConfig, Herd};
-use kvrouter_core::worker::WorkerDp;
+use kvrouter_core::worker::{WorkerDp, WorkerId};
 
-use super::engine::{Engine, EngineConfig, EngineRequest, StepOutcome};
+use super::engine::{Engine, EngineConfig, EngineRequest, SharedPool, StepOutcome};
 use super::report::{PolicyReport, RequestOutcome, Utilisation, WorkerUtilisation};
 use super::trace::{TraceHashes, TraceRequest, ideal_hit_ratio, ideal_hits};
 
@@ -155,6 +157,9 @@ impl Default for SimConfig {
     }
 }
 
+/// The worker id the shared pool publishes as (no engine's: engines are 1..=workers).
+const POOL_SOURCE: WorkerId = 1 << 62;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     Arrival(usize),
@@ -189,7 +194,11 @@ struct Router {
 impl Router {
     fn new(policy: Policy, cfg: &SimConfig, workers: Vec<WorkerDp>) -> Self {
         let cost = match policy {
-            Policy::Dynamo => CostConfig::dynamo(),
+            // Dynamo's weights, with the shared-pool credit the run sets (a Dynamo knob too).
+            Policy::Dynamo => CostConfig {
+                shared_cache_multiplier: cfg.cost.shared_cache_multiplier,
+                ..CostConfig::dynamo()
+            },
             Policy::KvTime => CostConfig {
                 formula: kvrouter_core::policy::Formula::Time,
                 ..cfg.time
@@ -316,6 +325,16 @@ fn run(
         .iter()
         .map(|w| Engine::new(w.worker_id, cfg.engine))
         .collect();
+    let pool = (cfg.engine.pool_capacity_blocks > 0).then(|| {
+        let pool = Rc::new(RefCell::new(SharedPool::new(
+            POOL_SOURCE,
+            cfg.engine.pool_capacity_blocks,
+        )));
+        for e in &mut engines {
+            e.attach_pool(Rc::clone(&pool));
+        }
+        pool
+    });
     let mut router = Router::new(policy, cfg, workers.clone());
     let mut heap: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
     let mut seq = 0u64;
@@ -451,6 +470,10 @@ fn run(
     let host_hits: u64 = engines.iter().map(|e| e.host_hit_blocks).sum();
     report.host_hit_ratio = (cfg.engine.host_capacity_blocks > 0 && prompt > 0)
         .then(|| host_hits as f64 / prompt as f64);
+    report.pool_hit_ratio = pool
+        .as_ref()
+        .filter(|_| prompt > 0)
+        .map(|p| p.borrow().hit_blocks as f64 / prompt as f64);
     (report, router, engines)
 }
 
@@ -618,6 +641,48 @@ mod tests {
         cfg.engine.host_capacity_blocks = 0;
         let (report, _, _) = run(&trace, &hashes, Policy::KvAware, &cfg, &ideals, |_| {});
         assert_eq!(report.host_hit_ratio, None);
+    }
+
+    #[test]
+    fn with_a_shared_pool_the_index_mirrors_it_and_its_credit_steers() {
+        let trace = conversations();
+        // Devices too small for the conversations: a later turn finds its earlier prompt
+        // in the pool when its own engine has evicted it.
+        let mut cfg = cfg();
+        cfg.engine.capacity_blocks = 24;
+        cfg.engine.pool_capacity_blocks = 512;
+        cfg.engine.pool_onload_ms_per_block = 0.5;
+        let hashes = TraceHashes::new(&trace, cfg.engine.block_size);
+        let ideals = Ideals::compute(&trace, &hashes, &cfg);
+        let mut mean = Vec::new();
+        for multiplier in [0.0, 0.5] {
+            cfg.cost.shared_cache_multiplier = multiplier;
+            for policy in [Policy::KvAware, Policy::Dynamo] {
+                let (report, router, engines) = run(&trace, &hashes, policy, &cfg, &ideals, |_| {});
+                assert_eq!(report.completed, trace.len() as u64, "{}", policy.name());
+                let pooled = engines[0].pool_blocks().expect("a pool");
+                assert!(pooled > 0, "{}", policy.name());
+                // Every event reached the router: it holds the devices' and the pool's blocks.
+                let cached: usize = engines.iter().map(Engine::cached_blocks).sum();
+                assert_eq!(router.index.block_count(), cached, "{}", policy.name());
+                assert_eq!(
+                    router.index.lower_block_count(),
+                    pooled,
+                    "{}",
+                    policy.name()
+                );
+                let hits = report.pool_hit_ratio.expect("a pool");
+                assert!(hits > 0.0, "{}: {report:?}", policy.name());
+                if policy == Policy::KvAware {
+                    mean.push(report.ttft_ms.mean);
+                }
+            }
+        }
+        // The credit changes decisions (whether it helps is the benchmark's to say).
+        assert_ne!(mean[0], mean[1], "{mean:?}");
+        cfg.engine.pool_capacity_blocks = 0;
+        let (report, _, _) = run(&trace, &hashes, Policy::KvAware, &cfg, &ideals, |_| {});
+        assert_eq!(report.pool_hit_ratio, None);
     }
 
     #[test]
