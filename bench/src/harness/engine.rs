@@ -876,6 +876,20 @@ mod tests {
             .collect()
     }
 
+    /// Runs `r` on `e` until it is idle and applies what it published (its own events and
+    /// its pool's) to `index`; returns the steps' durations.
+    fn run(e: &mut Engine, index: &mut ReferenceIndex, r: EngineRequest) -> Vec<f64> {
+        e.submit(r);
+        let mut ms = Vec::new();
+        while let Some((t, _)) = e.step() {
+            ms.push(t);
+        }
+        for ev in e.take_events() {
+            index.apply(ev).expect("the engine's events apply cleanly");
+        }
+        ms
+    }
+
     #[test]
     fn reuses_prefixes_evicts_leaves_and_publishes_exact_events() {
         let cfg = EngineConfig {
@@ -886,21 +900,24 @@ mod tests {
         };
         let mut e = Engine::new(1, cfg);
         let mut index = ReferenceIndex::new();
-        let mut run = |e: &mut Engine, r: EngineRequest| {
-            e.submit(r);
-            while e.busy() {
-                e.step();
-            }
-            for ev in e.take_events() {
-                index.apply(ev).expect("the engine's events apply cleanly");
-            }
-        };
-        run(&mut e, EngineRequest::new(0, 16, 2, chain(&[1, 2, 3, 4])));
+        run(
+            &mut e,
+            &mut index,
+            EngineRequest::new(0, 16, 2, chain(&[1, 2, 3, 4])),
+        );
         assert_eq!(e.cached_blocks(), 4);
-        run(&mut e, EngineRequest::new(1, 16, 2, chain(&[1, 2, 7, 8])));
+        run(
+            &mut e,
+            &mut index,
+            EngineRequest::new(1, 16, 2, chain(&[1, 2, 7, 8])),
+        );
         assert_eq!(e.hit_blocks, 2);
         // Capacity 6: [1,2,3,4] + [7,8] = 6; a third prompt evicts LRU leaves.
-        run(&mut e, EngineRequest::new(2, 12, 1, chain(&[9, 10, 11])));
+        run(
+            &mut e,
+            &mut index,
+            EngineRequest::new(2, 12, 1, chain(&[9, 10, 11])),
+        );
         assert!(e.cached_blocks() <= 6);
         let q: Vec<LocalBlockHash> = [9, 10, 11].iter().map(|&i| LocalBlockHash(i)).collect();
         assert_eq!(
@@ -927,17 +944,6 @@ mod tests {
         let mut e = Engine::new(1, cfg);
         let mut index = ReferenceIndex::new();
         let w = WorkerDp::new(1, 0);
-        let run = |e: &mut Engine, index: &mut ReferenceIndex, r: EngineRequest| {
-            e.submit(r);
-            let mut ms = Vec::new();
-            while let Some((t, _)) = e.step() {
-                ms.push(t);
-            }
-            for ev in e.take_events() {
-                index.apply(ev).expect("the engine's events apply cleanly");
-            }
-            ms
-        };
         let tiers_of = |index: &ReferenceIndex, ids: &[u64]| {
             let q: Vec<LocalBlockHash> = ids.iter().map(|&i| LocalBlockHash(i)).collect();
             let paths: Vec<u64> = kvrouter_core::hash::sequence_hashes(&q)
@@ -996,19 +1002,6 @@ mod tests {
             e.attach_pool(Rc::clone(&pool));
         }
         let mut index = ReferenceIndex::new();
-        let run = |e: &mut Engine, index: &mut ReferenceIndex, r: EngineRequest| {
-            e.submit(r);
-            let mut ms = Vec::new();
-            while let Some((t, _)) = e.step() {
-                ms.push(t);
-            }
-            for ev in e.take_events() {
-                index
-                    .apply(ev)
-                    .expect("the engines' and the pool's events apply cleanly");
-            }
-            ms
-        };
         // Engine 1 prefills A; the pool gets A's blocks.
         run(
             &mut engines[0],
