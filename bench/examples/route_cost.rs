@@ -26,6 +26,10 @@ fn main() -> anyhow::Result<()> {
     let path = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "../shared/workloads/conversation_w16_e8_c16384.jsonl.zst".to_owned());
+    let active: usize = match std::env::args().nth(2) {
+        Some(a) => a.parse()?,
+        None => 0,
+    };
     let log = LoadedLog::load(std::path::Path::new(&path))?;
     let mut index = TreeIndex::new(1);
     for op in &log.ops {
@@ -48,6 +52,7 @@ fn main() -> anyhow::Result<()> {
     let (mut slots, cfg, mut rng) = (Slots::new(600_000), CostConfig::default(), Rng::new(1));
     let mut out = OverlapScores::new();
     let mut rows: Vec<(usize, [u64; 7])> = Vec::new();
+    let mut running = std::collections::VecDeque::new();
     for (i, body) in bodies.iter().enumerate() {
         let t0 = Instant::now();
         let input: Input = serde_json::from_str(body)?;
@@ -69,7 +74,12 @@ fn main() -> anyhow::Result<()> {
         let id = format!("r{i}");
         slots.add(&id, scored[c].candidate.worker, seqs, 0, 0)?;
         let t6 = Instant::now();
-        slots.free(&id)?;
+        running.push_back(id);
+        while running.len() > active {
+            if let Some(oldest) = running.pop_front() {
+                slots.free(&oldest)?;
+            }
+        }
         let d = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
         rows.push((
             locals.len(),
