@@ -105,6 +105,10 @@ pub struct Utilisation {
     pub busiest: WorkerUtilisation,
     /// The worker that served the fewest.
     pub idlest: WorkerUtilisation,
+    /// The most busy time any worker's engine spent running steps over the least, over
+    /// the whole run (∞ when one never ran): balance in work, next to `max/min`'s balance
+    /// in requests.
+    pub busy_ratio: f64,
 }
 
 /// One worker's utilisation over time.
@@ -146,7 +150,7 @@ pub fn utilisation_lines(reports: &[PolicyReport]) -> String {
         let Some(u) = &r.utilisation else { continue };
         let _ = writeln!(
             s,
-            "{:<14} busiest w{} ({} req, {:>3.0}% busy) {}   idlest w{} ({} req, {:>3.0}% busy) {}",
+            "{:<14} busiest w{} ({} req, {:>3.0}% busy) {}   idlest w{} ({} req, {:>3.0}% busy) {}   busy time max/min {:.2}",
             r.policy,
             u.busiest.worker,
             u.busiest.requests,
@@ -156,6 +160,7 @@ pub fn utilisation_lines(reports: &[PolicyReport]) -> String {
             u.idlest.requests,
             u.idlest.mean * 100.0,
             u.idlest.sparkline(30),
+            u.busy_ratio,
         );
     }
     s

@@ -550,10 +550,18 @@ impl Busy {
                 })
                 .unwrap_or(0)
         };
+        let totals: Vec<f64> = self.per_worker.iter().map(|v| v.iter().sum()).collect();
+        let most = totals.iter().copied().fold(0.0, f64::max);
+        let least = totals.iter().copied().fold(f64::INFINITY, f64::min);
         Utilisation {
             bucket_s: self.bucket_ms / 1000.0,
             busiest: series(by(true)),
             idlest: series(by(false)),
+            busy_ratio: if least > 0.0 {
+                most / least
+            } else {
+                f64::INFINITY
+            },
         }
     }
 }
@@ -760,6 +768,13 @@ mod tests {
             );
         }
         assert!(u.busiest.mean > 0.0);
+        // Every worker ran (the sample spreads its conversations), and the ratio of their
+        // busy times is at least 1.
+        assert!(u.busy_ratio >= 1.0 && u.busy_ratio.is_finite(), "{u:?}");
+        let mut b = Busy::new(2, 1000.0, 0.0);
+        b.add(0, 0.0, 300.0);
+        b.add(1, 0.0, 100.0);
+        assert_eq!(b.report(&[3, 1]).busy_ratio, 3.0);
         // Busy time adds up to the steps' durations.
         let mut b = Busy::new(1, 1000.0, 0.0);
         b.add(0, 900.0, 300.0);
