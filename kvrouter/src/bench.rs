@@ -354,6 +354,11 @@ pub(crate) struct EngineFlags {
 }
 
 impl EngineFlags {
+    /// Time to copy one block's KV at `gbps` GB/s, ms.
+    fn copy_ms_per_block(&self, gbps: f64) -> f64 {
+        (self.kv_bytes_per_token * u64::from(self.block_size)) as f64 / (gbps * 1e9) * 1e3
+    }
+
     fn config(&self) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
@@ -361,13 +366,9 @@ impl EngineFlags {
             max_batch_tokens: self.max_batch_tokens,
             speedup: self.engine_speedup,
             host_capacity_blocks: self.host_blocks,
-            onload_ms_per_block: (self.kv_bytes_per_token * u64::from(self.block_size)) as f64
-                / (self.host_gbps * 1e9)
-                * 1e3,
+            onload_ms_per_block: self.copy_ms_per_block(self.host_gbps),
             pool_capacity_blocks: self.pool_blocks,
-            pool_onload_ms_per_block: (self.kv_bytes_per_token * u64::from(self.block_size)) as f64
-                / (self.pool_gbps * 1e9)
-                * 1e3,
+            pool_onload_ms_per_block: self.copy_ms_per_block(self.pool_gbps),
             ..EngineConfig::default()
         }
     }

@@ -152,6 +152,13 @@ impl HostTier {
         }
         self.lru.insert((clock, seq));
     }
+
+    /// Drops the least recently used block; returns it (`None` when empty).
+    fn pop_oldest(&mut self) -> Option<u64> {
+        let (_, victim) = self.lru.pop_first()?;
+        self.blocks.remove(&victim);
+        Some(victim)
+    }
 }
 
 /// The fleet's shared pool (see the [module docs](self)): blocks by sequence hash, least
@@ -212,38 +219,26 @@ impl SharedPool {
         out: &mut Vec<RouterEvent>,
     ) {
         let chain = &chain[..chain.len().min(self.capacity)];
-        // The run of new blocks not yet published (its parent), or the removals.
+        // The run of new blocks not yet published, under its parent.
         let mut stored: Option<(Option<u64>, Chain)> = None;
-        let mut removed: Vec<SequenceBlockHash> = Vec::new();
         for (i, &(l, s)) in chain.iter().enumerate() {
             self.clock += 1;
             if self.held.blocks.contains_key(&s.0) {
                 self.held.touch(s.0, self.clock);
-                if let Some((parent, blocks)) = stored.take() {
-                    self.emit(
-                        out,
-                        KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks),
-                    );
-                }
+                self.publish_stored(stored.take(), out);
                 continue;
             }
+            let mut removed = Vec::new();
             while self.held.blocks.len() >= self.capacity {
-                let Some(&(stamp, victim)) = self.held.lru.iter().next() else {
+                let Some(victim) = self.held.pop_oldest() else {
                     break;
                 };
-                self.held.lru.remove(&(stamp, victim));
-                self.held.blocks.remove(&victim);
-                if let Some((parent, blocks)) = stored.take() {
-                    self.emit(
-                        out,
-                        KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks),
-                    );
-                }
                 removed.push(SequenceBlockHash(victim));
             }
             if !removed.is_empty() {
-                let gone = std::mem::take(&mut removed);
-                self.emit(out, KvCacheEvent::removed(0, 0, gone));
+                // The stores before the removals, as they happened.
+                self.publish_stored(stored.take(), out);
+                self.emit(out, KvCacheEvent::removed(0, 0, removed));
             }
             self.held.touch(s.0, self.clock);
             match &mut stored {
@@ -251,11 +246,14 @@ impl SharedPool {
                 None => stored = Some(((i > 0).then(|| chain[i - 1].1.0), vec![(l, s)])),
             }
         }
-        if let Some((parent, blocks)) = stored {
-            self.emit(
-                out,
-                KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks),
-            );
+        self.publish_stored(stored, out);
+    }
+
+    /// Publishes a run of new blocks under its parent, if there is one.
+    fn publish_stored(&mut self, run: Option<(Option<u64>, Chain)>, out: &mut Vec<RouterEvent>) {
+        if let Some((parent, blocks)) = run {
+            let event = KvCacheEvent::stored(0, 0, parent.map(SequenceBlockHash), blocks);
+            self.emit(out, event);
         }
     }
 
@@ -479,11 +477,9 @@ impl Engine {
         self.clock += 1;
         if !self.host.blocks.contains_key(&seq) {
             while self.host.blocks.len() >= self.cfg.host_capacity_blocks {
-                let Some(&(stamp, victim)) = self.host.lru.iter().next() else {
+                let Some(victim) = self.host.pop_oldest() else {
                     break;
                 };
-                self.host.lru.remove(&(stamp, victim));
-                self.host.blocks.remove(&victim);
                 if !out.live.remove(&victim) {
                     out.removed.insert(victim);
                 }
