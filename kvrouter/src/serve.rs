@@ -294,6 +294,10 @@ pub(crate) struct ServeArgs {
     /// (those over 512 bytes only while inline encoding is not busy).
     #[arg(long, env = "KVROUTER_INLINE_TOKENIZE_BYTES")]
     inline_tokenize_bytes: Option<usize>,
+    /// MiB of prompt pieces each model card keeps encoded (0: encode every prompt whole).
+    /// A session's next turn then encodes only its new messages.
+    #[arg(long, env = "KVROUTER_TOKENIZE_CACHE_MIB")]
+    tokenize_cache_mib: Option<usize>,
     /// Session affinity: a header naming the session, besides `X-Dynamo-Session-ID`.
     #[arg(long, env = "KVROUTER_SESSION_HEADER")]
     session_header: Option<String>,
@@ -383,6 +387,7 @@ pub(crate) struct ServeConfig {
     openai_max_body_bytes: usize,
     tokenizer_threads: usize,
     inline_tokenize_bytes: usize,
+    tokenize_cache_mib: usize,
     session_header: Option<String>,
     session_ttl_secs: u64,
 }
@@ -460,6 +465,7 @@ impl Default for ServeConfig {
             openai_max_body_bytes: proxy.max_body_bytes,
             tokenizer_threads: proxy.tokenizer_threads,
             inline_tokenize_bytes: proxy.inline_tokenize_bytes,
+            tokenize_cache_mib: proxy.piece_cache_bytes >> 20,
             session_header: None,
             session_ttl_secs: proxy.session_ttl.as_secs(),
         }
@@ -645,6 +651,7 @@ impl ServeConfig {
             openai_max_body_bytes,
             tokenizer_threads,
             inline_tokenize_bytes,
+            tokenize_cache_mib,
             session_ttl_secs
         );
         overlay_opt!(
@@ -758,6 +765,7 @@ impl ServeConfig {
             max_body_bytes: self.openai_max_body_bytes,
             tokenizer_threads: self.tokenizer_threads,
             inline_tokenize_bytes: self.inline_tokenize_bytes,
+            piece_cache_bytes: self.tokenize_cache_mib.saturating_mul(1 << 20),
             header_timeout: Duration::from_secs(self.header_timeout_secs.max(1)),
             body_timeout: Duration::from_secs(self.body_timeout_secs.max(1)),
             session_header: self.session_header.clone().map(|h| h.to_ascii_lowercase()),

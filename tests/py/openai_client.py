@@ -60,12 +60,15 @@ for sc in sys.argv[2:]:
                 model="tiny", prompt="import os\n" * 20, stream=True) if ch.choices]
             out(scenario=sc, content="".join(parts))
         elif sc == "session":
-            ws = []
+            # A conversation that grows turn by turn, as an agent's does: each turn sends
+            # the whole history again.
+            ws, messages = [], []
             for i in range(4):
+                messages.append({"role": "user", "content": f"session turn {i} " * (30 + i)})
                 r = client.chat.completions.with_raw_response.create(
-                    model="tiny", messages=[{"role": "user", "content": f"session turn {i} " * (3 + i)}],
-                    extra_headers={"X-Dynamo-Session-ID": "agent-7"})
+                    model="tiny", messages=messages, extra_headers={"X-Dynamo-Session-ID": "agent-7"})
                 ws.append(r.headers.get("x-kvrouter-worker-id"))
+                messages.append({"role": "assistant", "content": r.parse().choices[0].message.content})
             out(scenario=sc, workers=ws)
         elif sc == "disconnect":
             stream = client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, user="slow")

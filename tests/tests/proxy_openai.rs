@@ -159,6 +159,24 @@ fn the_openai_sdk_gets_answers_relayed_and_every_request_is_freed() {
         .clone();
     assert!(ws.iter().all(|w| *w == ws[0]), "{ws:?}");
     assert!(metric(&api, "kvrouter_proxy_session_routes_total") >= 3.0);
+    // Its later turns were encoded in pieces, finding the earlier turns' in the cache.
+    let pieces = |outcome: &str| {
+        metric(
+            &api,
+            &format!(
+                "kvrouter_proxy_tokenize_piece_prompts_total{{model=\"tiny\",outcome=\"{outcome}\"}}"
+            ),
+        )
+    };
+    assert!(pieces("pieces") >= 3.0, "{}", pieces("pieces"));
+    assert_eq!(pieces("verified"), pieces("pieces"));
+    assert_eq!(pieces("mismatch"), 0.0);
+    assert!(
+        metric(
+            &api,
+            "kvrouter_proxy_tokenize_piece_tokens_total{model=\"tiny\",outcome=\"hit\"}"
+        ) > 0.0
+    );
     // An engine that dies after the first byte: the client sees an error, no retry.
     let died = by("die_after_first");
     assert!(died["error"].is_string(), "{died}");

@@ -3,7 +3,9 @@
 //! `tokenizers` crate) gives are those of Python `transformers`' `apply_chat_template` on
 //! the same card. Cards: the tiny card of `../shared/dynamo/make_tiny_model.py`, and the
 //! tiny tokenizer under Qwen2.5's template (system prompt, tools, tool calls, tool
-//! responses). A mismatch here would silently destroy the proxy's hit ratio.
+//! responses). A mismatch here would silently destroy the proxy's hit ratio. Long
+//! multi-turn sessions go through the piece cache (`kvrouter_io::proxy::pieces`): their ids
+//! must be `transformers`' too, turn after turn.
 
 use kvrouter_io::proxy::model::ModelCard;
 use kvrouter_tests::openai::{card_with_template, reference_tokens, tiny_card};
@@ -43,7 +45,7 @@ fn requests() -> Vec<serde_json::Value> {
     ]
 }
 
-fn check(card_dir: &std::path::Path, requests: &[serde_json::Value]) {
+fn check(card_dir: &std::path::Path, requests: &[serde_json::Value]) -> ModelCard {
     let card = ModelCard::load(card_dir).expect("card loads");
     let reference = reference_tokens(card_dir, requests);
     assert_eq!(reference.len(), requests.len());
@@ -73,6 +75,111 @@ fn check(card_dir: &std::path::Path, requests: &[serde_json::Value]) {
         assert!(!ids.is_empty());
         assert_eq!(ids, want_ids, "token ids of {req}");
     }
+    card
+}
+
+/// Three turns of one session whose messages are long enough to be cut into pieces: each
+/// turn repeats the previous one and adds an answer and a question (with `tools`, an
+/// assistant tool call and its result too).
+fn session(tools: bool) -> Vec<serde_json::Value> {
+    let long = |t: usize| -> String {
+        (0..120)
+            .map(|i| format!("line {t}.{i}: the cache holds block {} \n", i * 37 % 101))
+            .collect()
+    };
+    let mut messages = vec![
+        json!({"role": "system", "content": format!("You review code.\n{}", long(0))}),
+        json!({"role": "user", "content": long(1)}),
+    ];
+    let mut turns = vec![json!({"messages": messages.clone()})];
+    for t in 2..4 {
+        if tools {
+            messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": format!("c{t}"), "type": "function", "function": {"name": "search",
+                 "arguments": format!("{{\"q\": \"block {t}\"}}")}}]}));
+            messages.push(
+                json!({"role": "tool", "tool_call_id": format!("c{t}"), "content": long(t * 10)}),
+            );
+        }
+        messages.push(json!({"role": "assistant", "content": long(t * 10 + 1)}));
+        messages.push(json!({"role": "user", "content": long(t * 10 + 2)}));
+        turns.push(json!({"messages": messages.clone()}));
+    }
+    if tools {
+        let tools = requests()
+            .into_iter()
+            .find_map(|r| r.get("tools").cloned())
+            .expect("tools");
+        for t in &mut turns {
+            t["tools"] = tools.clone();
+        }
+    }
+    turns
+}
+
+fn check_session(card_dir: &std::path::Path, tools: bool) {
+    let turns = session(tools);
+    let card = check(card_dir, &turns);
+    let s = card.piece_stats().expect("the card encodes in pieces");
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(load(&s.prompts), 3, "every turn was cut into pieces");
+    assert_eq!(load(&s.verified), 3, "and checked against the whole");
+    assert_eq!(load(&s.mismatches) + load(&s.fallbacks), 0);
+    assert!(
+        load(&s.hits) > 0,
+        "later turns find the earlier turns' pieces"
+    );
+    // The last turn again: only its last piece (the last message and the generation
+    // prompt) is encoded.
+    let (hit, miss) = (load(&s.hit_tokens), load(&s.miss_tokens));
+    let last = turns.last().expect("turns");
+    let ids = card.chat_tokens(last).expect("tokenises");
+    let text = card.render_chat(last).expect("renders");
+    assert_eq!(ids, card.encode_whole(&text, false).expect("whole"));
+    let (hit, miss) = (load(&s.hit_tokens) - hit, load(&s.miss_tokens) - miss);
+    assert_eq!((hit + miss) as usize, ids.len());
+    assert!(
+        hit > 2 * miss,
+        "{hit} tokens from the cache, {miss} encoded"
+    );
+}
+
+#[test]
+fn tiny_card_sessions_in_pieces_match_transformers() {
+    check_session(&tiny_card(), false);
+}
+
+#[test]
+fn qwen_sessions_with_tools_in_pieces_match_transformers() {
+    let template =
+        std::fs::read_to_string(repo_root().join("tests/fixtures/chat-templates/qwen2.5.jinja"))
+            .expect("template");
+    let dir = card_with_template("qwen2.5-session", &template);
+    // Qwen's own added tokens, so that its template's markers are cut at as in Qwen's
+    // tokenizer (special ones, and `<tool_call>` as a plain added token).
+    let path = dir.join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+    let next = tok["model"]["vocab"].as_object().expect("vocab").len()
+        + tok["added_tokens"].as_array().expect("added").len();
+    for (i, (content, special)) in [
+        ("<|im_start|>", true),
+        ("<|im_end|>", true),
+        ("<tool_call>", false),
+        ("</tool_call>", false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        tok["added_tokens"]
+            .as_array_mut()
+            .expect("added")
+            .push(json!({
+            "id": next + i, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": special}));
+    }
+    std::fs::write(&path, tok.to_string()).expect("write");
+    check_session(&dir, true);
 }
 
 #[test]

@@ -129,16 +129,23 @@ impl Front {
             let card = match cards.get(&m.dir) {
                 Some(c) => Arc::clone(c),
                 None => {
-                    let card = ModelCard::load(&m.dir).map_err(|source| ProxyError::Model {
-                        name: m.name.clone(),
-                        dir: m.dir.clone(),
-                        source,
-                    })?;
+                    let card =
+                        ModelCard::load_with(&m.dir, cfg.piece_cache_bytes).map_err(|source| {
+                            ProxyError::Model {
+                                name: m.name.clone(),
+                                dir: m.dir.clone(),
+                                source,
+                            }
+                        })?;
                     if !card.has_chat_template() {
                         tracing::warn!(model = %m.name, "no chat template: /v1/chat/completions answers 400 for it");
                     }
                     let card = Arc::new(card);
                     cards.insert(m.dir.clone(), Arc::clone(&card));
+                    stats
+                        .cards
+                        .borrow_mut()
+                        .push((m.name.clone(), Arc::clone(&card)));
                     card
                 }
             };

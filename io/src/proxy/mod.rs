@@ -40,6 +40,7 @@ use std::time::Duration;
 
 mod front;
 pub mod model;
+pub mod pieces;
 mod relay;
 mod request;
 mod rt;
@@ -146,6 +147,9 @@ pub struct ProxyConfig {
     /// shorter than a hand-off between threads (2,048); those over 512 bytes only while
     /// inline encoding has taken under 30 % of the executor's recent time.
     pub inline_tokenize_bytes: usize,
+    /// Bytes of prompt pieces each model card keeps encoded ([`pieces`]; 0: every prompt
+    /// encoded whole) ([`model::DEFAULT_PIECE_CACHE_BYTES`]).
+    pub piece_cache_bytes: usize,
 }
 
 impl Default for ProxyConfig {
@@ -168,6 +172,7 @@ impl Default for ProxyConfig {
                 .map_or(1, |n| n.get())
                 .min(8),
             inline_tokenize_bytes: 2048,
+            piece_cache_bytes: model::DEFAULT_PIECE_CACHE_BYTES,
         }
     }
 }

@@ -13,6 +13,10 @@
 //! template wrote them). A completion's text prompt is encoded with them, as vLLM does;
 //! a prompt of token ids is taken as it is.
 //!
+//! A prompt encoded without added special tokens goes through [`super::pieces`]: cut at
+//! special tokens, each piece encoded once and then found in a cache, so that a session's
+//! next turn encodes only its new messages.
+//!
 //! Message content given as parts (`[{"type": "text", "text": ...}]`) reaches a template
 //! that iterates over content as it is; any other template sees the text parts joined by
 //! newlines (vLLM's "string" content format).
@@ -22,6 +26,8 @@ use std::path::Path;
 use minijinja::value::Kwargs;
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde_json::Value as Json;
+
+use super::pieces::{PieceStats, Pieces};
 
 /// Why a model card could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -84,13 +90,20 @@ pub struct ModelCard {
     parts_content: bool,
     /// The special tokens the template sees (`bos_token`, ...).
     specials: Vec<(String, String)>,
+    /// The piecewise encoder and its cache (none: every prompt encoded whole).
+    pieces: Option<Pieces>,
 }
+
+/// Bytes of prompt pieces a card keeps by default (128 MiB: the text and ids of about 16 M
+/// tokens, some 130 agentic sessions of 126 k tokens).
+pub const DEFAULT_PIECE_CACHE_BYTES: usize = 128 << 20;
 
 impl std::fmt::Debug for ModelCard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelCard")
             .field("chat_template", &self.env.is_some())
             .field("parts_content", &self.parts_content)
+            .field("pieces", &self.pieces)
             .finish_non_exhaustive()
     }
 }
@@ -113,8 +126,14 @@ fn token_text(v: &Json) -> Option<String> {
 
 impl ModelCard {
     /// Loads `DIR/tokenizer.json` and `DIR/tokenizer_config.json` (the latter optional: no
-    /// chat template then).
+    /// chat template then), with a piece cache of [`DEFAULT_PIECE_CACHE_BYTES`].
     pub fn load(dir: &Path) -> Result<Self, CardError> {
+        Self::load_with(dir, DEFAULT_PIECE_CACHE_BYTES)
+    }
+
+    /// [`Self::load`] with a piece cache of `piece_cache_bytes` (0: every prompt encoded
+    /// whole).
+    pub fn load_with(dir: &Path, piece_cache_bytes: usize) -> Result<Self, CardError> {
         let tok_path = dir.join("tokenizer.json");
         let bytes = read(&tok_path)?;
         let tokenizer =
@@ -165,11 +184,21 @@ impl ModelCard {
         }
         let parts_content = template.as_deref().is_some_and(iterates_content);
         let env = template.map(environment).transpose()?;
+        let pieces = match Pieces::new(&tokenizer, piece_cache_bytes) {
+            Ok(p) => Some(p),
+            Err(why) => {
+                if piece_cache_bytes > 0 {
+                    tracing::info!(card = %dir.display(), why, "prompts of this card are encoded whole");
+                }
+                None
+            }
+        };
         Ok(ModelCard {
             tokenizer,
             env,
             parts_content,
             specials,
+            pieces,
         })
     }
 
@@ -303,12 +332,38 @@ impl ModelCard {
         }
     }
 
-    /// Encodes text.
+    /// Encodes text: in pieces where it can ([`super::pieces`]), whole otherwise.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        let err = |e: tokenizers::Error| PromptError::Tokenize(e.to_string());
+        if !add_special_tokens
+            && let Some(p) = &self.pieces
+            && let Some(ids) = p.encode(&self.tokenizer, text).map_err(err)?
+        {
+            return Ok(ids);
+        }
+        self.encode_whole(text, add_special_tokens)
+    }
+
+    /// Encodes text in one call to the tokenizer, never from the piece cache.
+    pub fn encode_whole(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, PromptError> {
         self.tokenizer
-            .encode(text, add_special_tokens)
+            .encode_fast(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| PromptError::Tokenize(e.to_string()))
+    }
+
+    /// What the piece cache did (none: this card encodes every prompt whole).
+    pub fn piece_stats(&self) -> Option<&PieceStats> {
+        self.pieces.as_ref().map(Pieces::stats)
+    }
+
+    /// Whether pieces were turned off by a difference from a whole encoding.
+    pub fn pieces_off(&self) -> bool {
+        self.pieces.as_ref().is_some_and(Pieces::is_off)
     }
 }
 

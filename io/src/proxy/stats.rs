@@ -4,6 +4,10 @@
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::model::ModelCard;
 
 /// Upper bounds of the latency buckets, seconds.
 const LATENCY_BUCKETS: [f64; 16] = [
@@ -84,6 +88,9 @@ pub(crate) struct ProxyStats {
     pub(crate) streaks: RefCell<BTreeMap<String, Streak>>,
     pub(crate) pool_opened: Cell<u64>,
     pub(crate) pool_reused: Cell<u64>,
+    /// Each distinct model card, named by the first model that uses it: its piece cache's
+    /// counters are rendered from it.
+    pub(crate) cards: RefCell<Vec<(String, Arc<ModelCard>)>>,
 }
 
 fn bump(c: &Cell<u64>, by: u64) {
@@ -91,6 +98,93 @@ fn bump(c: &Cell<u64>, by: u64) {
 }
 
 impl ProxyStats {
+    /// The piece caches' counters, per card.
+    fn render_pieces(&self, out: &mut String) {
+        let cards = self.cards.borrow();
+        let stats: Vec<_> = cards
+            .iter()
+            .filter_map(|(m, c)| c.piece_stats().map(|s| (m, c, s)))
+            .collect();
+        if stats.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_proxy_tokenize_pieces_total Prompt pieces found in the piece cache (hit) or encoded (miss).\n# TYPE kvrouter_proxy_tokenize_pieces_total counter"
+        );
+        for (m, _, s) in &stats {
+            let _ = writeln!(
+                out,
+                "kvrouter_proxy_tokenize_pieces_total{{model=\"{m}\",outcome=\"hit\"}} {}\nkvrouter_proxy_tokenize_pieces_total{{model=\"{m}\",outcome=\"miss\"}} {}",
+                s.hits.load(Relaxed),
+                s.misses.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_proxy_tokenize_piece_tokens_total Tokens of the prompt pieces found in the cache (hit) or encoded (miss).\n# TYPE kvrouter_proxy_tokenize_piece_tokens_total counter"
+        );
+        for (m, _, s) in &stats {
+            let _ = writeln!(
+                out,
+                "kvrouter_proxy_tokenize_piece_tokens_total{{model=\"{m}\",outcome=\"hit\"}} {}\nkvrouter_proxy_tokenize_piece_tokens_total{{model=\"{m}\",outcome=\"miss\"}} {}",
+                s.hit_tokens.load(Relaxed),
+                s.miss_tokens.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_proxy_tokenize_piece_prompts_total Prompts encoded in pieces, and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback).\n# TYPE kvrouter_proxy_tokenize_piece_prompts_total counter"
+        );
+        for (m, _, s) in &stats {
+            for (what, n) in [
+                ("pieces", &s.prompts),
+                ("verified", &s.verified),
+                ("mismatch", &s.mismatches),
+                ("fallback", &s.fallbacks),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "kvrouter_proxy_tokenize_piece_prompts_total{{model=\"{m}\",outcome=\"{what}\"}} {}",
+                    n.load(Relaxed)
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_proxy_tokenize_cache_bytes Bytes the piece cache holds (text and ids).\n# TYPE kvrouter_proxy_tokenize_cache_bytes gauge"
+        );
+        for (m, _, s) in &stats {
+            let _ = writeln!(
+                out,
+                "kvrouter_proxy_tokenize_cache_bytes{{model=\"{m}\"}} {}",
+                s.bytes.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_proxy_tokenize_cache_evictions_total Pieces evicted to keep the cache within its bytes.\n# TYPE kvrouter_proxy_tokenize_cache_evictions_total counter"
+        );
+        for (m, _, s) in &stats {
+            let _ = writeln!(
+                out,
+                "kvrouter_proxy_tokenize_cache_evictions_total{{model=\"{m}\"}} {}",
+                s.evictions.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_proxy_tokenize_pieces_off 1 when a piecewise encoding differed from the whole and pieces were turned off for the card.\n# TYPE kvrouter_proxy_tokenize_pieces_off gauge"
+        );
+        for (m, c, _) in &stats {
+            let _ = writeln!(
+                out,
+                "kvrouter_proxy_tokenize_pieces_off{{model=\"{m}\"}} {}",
+                u8::from(c.pieces_off())
+            );
+        }
+    }
+
     pub(crate) fn answered(&self, endpoint: &'static str, status: u16) {
         *self
             .requests
@@ -293,5 +387,6 @@ impl ProxyStats {
             "kvrouter_proxy_tokenize_seconds",
             "Chat template and tokenizer, per request.",
         );
+        self.render_pieces(out);
     }
 }

@@ -1,0 +1,569 @@
+//! A rendered prompt encoded in pieces cut at special tokens, with a cache of the pieces
+//! the fleet keeps sending.
+//!
+//! An agentic session sends its whole conversation again on every turn (about 126 k tokens
+//! per request on the agentic dev trace, tens of milliseconds of encoding each), almost all
+//! of it text the router encoded on the turn before; a chat fleet sends the same system
+//! prompt with every request. This module encodes only what it has not seen
+//! (docs/BENCHMARKS.md, "Prompts encoded in pieces").
+//!
+//! **Why pieces are exact.** The `tokenizers` crate first splits its input at every added
+//! token that is matched on the raw text (`normalized: false`, leftmost-longest), then
+//! normalises, pre-tokenises and encodes each remaining split on its own: no token ever
+//! spans a split, and a split's ids depend only on its text and on one fact about its
+//! place, whether it starts the input (Metaspace's `prepend_scheme: first` reads that). So a
+//! prompt cut at the start of such a token encodes, piece by piece, to the ids of the whole
+//! when each piece is encoded in the context the whole gives it: a piece after the first is
+//! encoded with the token that opens it, which is then dropped (it was the previous piece's
+//! last id), and every piece but the last is encoded through the token that closes it, so
+//! that `lstrip` and `rstrip` take the same whitespace as in the whole. Padding, truncation
+//! and the post-processor act on the whole encoding, so pieces are used only where none of
+//! them applies: no padding, no truncation, no special tokens added (a chat prompt: its
+//! template wrote them).
+//!
+//! **Where pieces are cut.** At the first cut token at least [`MIN_PIECE_BYTES`] past the
+//! previous cut: the rule reads only the text before the cut, so the next turn of a session,
+//! which repeats this turn's text and adds to it, is cut at the same places and finds every
+//! piece but this turn's last in the cache. The last piece, which the next turn extends, is
+//! encoded and not kept.
+//!
+//! **Checked, not trusted.** Each piece's encoding must begin and end with the ids of the
+//! tokens it was cut at (otherwise the request is encoded whole and a fallback counted). The
+//! first [`VERIFY_FIRST`] prompts, and one in [`VERIFY_EVERY`] after them, are also encoded
+//! whole and compared: a difference turns pieces off for the card for good, counted and
+//! logged, and the whole encoding is what the request gets. Cached pieces are found by a
+//! hash under a per-process random key and confirmed by comparing their text.
+//!
+//! **Memory.** Bounded by `capacity` bytes (the text and the ids of each piece), least
+//! recently used first out. One lock guards the cache; it is held for a lookup or an insert,
+//! never while encoding.
+//!
+//! **Timing.** As with the engines' own prefix caches, a prompt whose pieces another client
+//! sent recently is tokenised faster, which a client could time; deployments whose tenants
+//! must not learn of each other's prompts turn the cache off (capacity 0).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use lru::LruCache;
+use tokenizers::Tokenizer;
+
+/// A piece ends at the first cut token this many bytes or more past its start.
+pub const MIN_PIECE_BYTES: usize = 256;
+
+/// Prompts of a card encoded whole as well, first, to check the pieces.
+pub const VERIFY_FIRST: u64 = 16;
+
+/// After those, one prompt in this many is.
+pub const VERIFY_EVERY: u64 = 256;
+
+/// Bytes an entry costs beyond its text and ids (the map's slot, the list's links, the two
+/// boxes' headers), for the capacity's accounting.
+const ENTRY_OVERHEAD: usize = 96;
+
+/// What the piece cache did, per card (relaxed counters, read for `/metrics`).
+#[derive(Debug, Default)]
+pub struct PieceStats {
+    /// Prompts encoded in pieces.
+    pub prompts: AtomicU64,
+    /// Pieces found in the cache, and their tokens.
+    pub hits: AtomicU64,
+    /// Tokens of the pieces found in the cache.
+    pub hit_tokens: AtomicU64,
+    /// Pieces encoded (the last piece of each prompt included).
+    pub misses: AtomicU64,
+    /// Tokens of the pieces encoded.
+    pub miss_tokens: AtomicU64,
+    /// Prompts also encoded whole, and found equal.
+    pub verified: AtomicU64,
+    /// Prompts whose pieces differed from the whole (pieces are then off for the card).
+    pub mismatches: AtomicU64,
+    /// Prompts encoded whole because a piece did not begin or end with its cut token.
+    pub fallbacks: AtomicU64,
+    /// Pieces evicted to stay within the capacity.
+    pub evictions: AtomicU64,
+    /// Bytes held now.
+    pub bytes: AtomicU64,
+}
+
+struct Entry {
+    first: bool,
+    text: Box<str>,
+    ids: Arc<[u32]>,
+}
+
+impl Entry {
+    fn cost(&self) -> usize {
+        self.text.len() + 4 * self.ids.len() + ENTRY_OVERHEAD
+    }
+}
+
+struct Cache {
+    map: LruCache<u64, Entry>,
+    bytes: usize,
+}
+
+/// A card's piecewise encoder.
+pub(crate) struct Pieces {
+    /// Every added token matched on the raw text, as the tokenizer matches them.
+    matcher: AhoCorasick,
+    /// Per pattern: its id, and whether a piece may be cut at it (`single_word` tokens may
+    /// be skipped by the tokenizer where they touch a word: never cut there).
+    tokens: Vec<(u32, bool)>,
+    min_piece: usize,
+    capacity: usize,
+    cache: Mutex<Cache>,
+    key: ahash::RandomState,
+    off: AtomicBool,
+    stats: PieceStats,
+}
+
+impl std::fmt::Debug for Pieces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pieces")
+            .field("cut_tokens", &self.tokens.iter().filter(|t| t.1).count())
+            .field("capacity", &self.capacity)
+            .field("off", &self.off.load(Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pieces {
+    /// The encoder for `tok`, holding at most `capacity` bytes of pieces; `Err` says why
+    /// this tokenizer is encoded whole.
+    pub(crate) fn new(tok: &Tokenizer, capacity: usize) -> Result<Self, &'static str> {
+        Self::with_min_piece(tok, capacity, MIN_PIECE_BYTES)
+    }
+
+    pub(crate) fn with_min_piece(
+        tok: &Tokenizer,
+        capacity: usize,
+        min_piece: usize,
+    ) -> Result<Self, &'static str> {
+        if capacity == 0 {
+            return Err("the piece cache is off");
+        }
+        if tok.get_truncation().is_some() || tok.get_padding().is_some() {
+            return Err("the tokenizer truncates or pads");
+        }
+        if tok.get_encode_special_tokens() {
+            return Err("the tokenizer does not split at special tokens");
+        }
+        let mut added: Vec<(u32, tokenizers::AddedToken)> = tok
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| !t.normalized && !t.content.is_empty())
+            .collect();
+        added.sort_by_key(|(id, _)| *id);
+        if !added.iter().any(|(_, t)| !t.single_word) {
+            return Err("no added token to cut at");
+        }
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(added.iter().map(|(_, t)| t.content.as_str()))
+            .map_err(|_| "the added tokens do not build a matcher")?;
+        Ok(Self {
+            matcher,
+            tokens: added.iter().map(|(id, t)| (*id, !t.single_word)).collect(),
+            min_piece: min_piece.max(1),
+            capacity,
+            cache: Mutex::new(Cache {
+                map: LruCache::unbounded(),
+                bytes: 0,
+            }),
+            key: ahash::RandomState::new(),
+            off: AtomicBool::new(false),
+            stats: PieceStats::default(),
+        })
+    }
+
+    pub(crate) fn stats(&self) -> &PieceStats {
+        &self.stats
+    }
+
+    /// Whether a difference from the whole encoding turned pieces off.
+    pub(crate) fn is_off(&self) -> bool {
+        self.off.load(Relaxed)
+    }
+
+    /// Where `text` is cut: each cut token's start, end and id.
+    fn cuts(&self, text: &str) -> Vec<(usize, usize, u32)> {
+        let mut out = Vec::new();
+        let mut from = 0;
+        for m in self.matcher.find_iter(text) {
+            let (id, cut) = self.tokens[m.pattern().as_usize()];
+            if cut && m.start() >= from + self.min_piece {
+                out.push((m.start(), m.end(), id));
+                from = m.start();
+            }
+        }
+        out
+    }
+
+    /// The ids of `text` (encoded without added special tokens), or `None` where the
+    /// caller must encode it whole (too short to cut, pieces off, or a piece that did not
+    /// end at its token).
+    pub(crate) fn encode(
+        &self,
+        tok: &Tokenizer,
+        text: &str,
+    ) -> Result<Option<Vec<u32>>, tokenizers::Error> {
+        if self.is_off() || text.len() < 2 * self.min_piece {
+            return Ok(None);
+        }
+        let cuts = self.cuts(text);
+        if cuts.is_empty() {
+            return Ok(None);
+        }
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut start = 0;
+        let mut lead = None;
+        for &(at, end, id) in &cuts {
+            match self.piece(tok, &text[start..end], lead, Some(id))? {
+                Some(p) => ids.extend_from_slice(&p),
+                None => return Ok(self.fell_back()),
+            }
+            start = at;
+            lead = Some(id);
+        }
+        match self.piece(tok, &text[start..], lead, None)? {
+            Some(p) => ids.extend_from_slice(&p),
+            None => return Ok(self.fell_back()),
+        }
+        let n = self.stats.prompts.fetch_add(1, Relaxed);
+        if n < VERIFY_FIRST || n.is_multiple_of(VERIFY_EVERY) {
+            let whole = tok.encode_fast(text, false)?.get_ids().to_vec();
+            if whole != ids {
+                self.stats.mismatches.fetch_add(1, Relaxed);
+                if !self.off.swap(true, Relaxed) {
+                    let at = whole.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+                    tracing::error!(
+                        prompt_bytes = text.len(),
+                        whole_tokens = whole.len(),
+                        piece_tokens = ids.len(),
+                        first_difference = at,
+                        "a prompt encoded in pieces differs from its whole encoding: pieces are off for this tokenizer"
+                    );
+                }
+                return Ok(Some(whole));
+            }
+            self.stats.verified.fetch_add(1, Relaxed);
+        }
+        Ok(Some(ids))
+    }
+
+    fn fell_back(&self) -> Option<Vec<u32>> {
+        self.stats.fallbacks.fetch_add(1, Relaxed);
+        None
+    }
+
+    /// The ids of one piece: `lead` is the id of the token that opens it (none for the
+    /// first piece), which is dropped; `trail` the id of the token that closes it (none for
+    /// the last piece, which is not cached). `None`: the encoding did not begin or end with
+    /// them.
+    fn piece(
+        &self,
+        tok: &Tokenizer,
+        text: &str,
+        lead: Option<u32>,
+        trail: Option<u32>,
+    ) -> Result<Option<Arc<[u32]>>, tokenizers::Error> {
+        let first = lead.is_none();
+        let key = trail.map(|_| self.key.hash_one((first, text)));
+        if let Some(k) = key {
+            let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(e) = c.map.get(&k)
+                && e.first == first
+                && *e.text == *text
+            {
+                self.stats.hits.fetch_add(1, Relaxed);
+                self.stats.hit_tokens.fetch_add(e.ids.len() as u64, Relaxed);
+                return Ok(Some(Arc::clone(&e.ids)));
+            }
+        }
+        let enc = tok.encode_fast(text, false)?;
+        let all = enc.get_ids();
+        if lead.is_some_and(|l| all.first() != Some(&l))
+            || trail.is_some_and(|t| all.last() != Some(&t))
+        {
+            return Ok(None);
+        }
+        let ids: Arc<[u32]> = all[usize::from(!first)..].into();
+        self.stats.misses.fetch_add(1, Relaxed);
+        self.stats.miss_tokens.fetch_add(ids.len() as u64, Relaxed);
+        if let Some(k) = key {
+            self.insert(
+                k,
+                Entry {
+                    first,
+                    text: text.into(),
+                    ids: Arc::clone(&ids),
+                },
+            );
+        }
+        Ok(Some(ids))
+    }
+
+    fn insert(&self, key: u64, e: Entry) {
+        let cost = e.cost();
+        if cost > self.capacity {
+            return;
+        }
+        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = c.map.put(key, e) {
+            c.bytes -= old.cost();
+        }
+        c.bytes += cost;
+        let mut evicted = 0;
+        while c.bytes > self.capacity {
+            match c.map.pop_lru() {
+                Some((_, old)) => {
+                    c.bytes -= old.cost();
+                    evicted += 1;
+                }
+                None => break,
+            }
+        }
+        self.stats.evictions.fetch_add(evicted, Relaxed);
+        self.stats.bytes.store(c.bytes as u64, Relaxed);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.cache.lock().map(|c| c.map.len()).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const FRAGMENTS: &[&str] = &[
+        "hello",
+        " ",
+        "the",
+        "cat",
+        "\n",
+        "  ",
+        "x y",
+        "é",
+        "<s>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool>",
+        "<w>",
+        " <w> ",
+        "the cat",
+        "▁",
+        "<n>",
+        " <n>",
+    ];
+
+    /// A small BPE over letters with a few merges; added tokens of every kind (special or
+    /// not, `lstrip`/`rstrip`, `single_word`, one matched after normalisation).
+    fn tokenizer(normalizer: serde_json::Value, pre: serde_json::Value) -> Tokenizer {
+        let added = [
+            ("<unk>", true, false, false, false, false),
+            ("<s>", true, false, false, false, false),
+            ("<|im_start|>", true, false, false, false, false),
+            ("<|im_end|>", true, true, true, false, false),
+            ("<tool>", false, false, false, false, false),
+            ("<w>", true, false, false, true, false),
+            ("<n>", true, false, false, false, true),
+        ];
+        let mut vocab = serde_json::Map::new();
+        let mut tokens = Vec::new();
+        for (i, (content, special, lstrip, rstrip, single_word, normalized)) in
+            added.iter().enumerate()
+        {
+            vocab.insert((*content).into(), json!(i));
+            tokens.push(
+                json!({"id": i, "content": content, "single_word": single_word,
+                "lstrip": lstrip, "rstrip": rstrip, "normalized": normalized, "special": special}),
+            );
+        }
+        let mut symbols: Vec<String> = "▁abcdefghijklmnopqrstuvwxyz\n<>|_"
+            .chars()
+            .map(String::from)
+            .collect();
+        let merges = [
+            ("▁", "t"),
+            ("h", "e"),
+            ("▁t", "he"),
+            ("c", "a"),
+            ("ca", "t"),
+        ];
+        for (a, b) in merges {
+            symbols.push(format!("{a}{b}"));
+        }
+        for s in symbols {
+            let n = vocab.len();
+            vocab.entry(s).or_insert(json!(n));
+        }
+        let merges: Vec<_> = merges.iter().map(|(a, b)| json!([a, b])).collect();
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": tokens,
+            "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+                "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}
+        });
+        Tokenizer::from_bytes(spec.to_string().as_bytes()).expect("tokenizer")
+    }
+
+    fn metaspace(scheme: &str) -> Tokenizer {
+        tokenizer(
+            serde_json::Value::Null,
+            json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": true}),
+        )
+    }
+
+    fn llama2_normalizer() -> Tokenizer {
+        tokenizer(
+            json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}),
+            serde_json::Value::Null,
+        )
+    }
+
+    /// xorshift64*: a fixed-seed stream for the texts.
+    fn texts(seed: u64, n: usize) -> Vec<String> {
+        let mut s = seed;
+        let mut next = move || {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            s.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        (0..n)
+            .map(|_| {
+                let len = 1 + next() % 80;
+                (0..len)
+                    .map(|_| FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize])
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn whole(tok: &Tokenizer, text: &str) -> Vec<u32> {
+        tok.encode(text, false).expect("encodes").get_ids().to_vec()
+    }
+
+    #[test]
+    fn pieces_give_the_whole_encoding_for_every_kind_of_tokenizer() {
+        for (name, tok) in [
+            ("metaspace first", metaspace("first")),
+            ("metaspace always", metaspace("always")),
+            ("metaspace never", metaspace("never")),
+            ("llama-2 normaliser", llama2_normalizer()),
+        ] {
+            for min_piece in [1, 4, 16] {
+                let p = Pieces::with_min_piece(&tok, 1 << 20, min_piece).expect("pieces");
+                let mut cut = 0;
+                // Twice: the second pass finds the pieces in the cache.
+                for pass in 0..2 {
+                    for text in texts(7, 400) {
+                        let want = whole(&tok, &text);
+                        if let Some(got) = p.encode(&tok, &text).expect("encodes") {
+                            assert_eq!(got, want, "{name}, min {min_piece}, pass {pass}: {text:?}");
+                            cut += 1;
+                        }
+                    }
+                }
+                let s = p.stats();
+                assert!(cut > 400, "{name}: {cut} prompts cut");
+                assert_eq!(s.mismatches.load(Relaxed), 0, "{name}");
+                assert!(!p.is_off(), "{name}");
+                assert!(s.hits.load(Relaxed) > 0, "{name}: the second pass hits");
+                assert!(s.verified.load(Relaxed) >= VERIFY_FIRST, "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sessions_next_turn_encodes_only_what_it_added() {
+        let tok = metaspace("first");
+        let p = Pieces::with_min_piece(&tok, 1 << 20, 64).expect("pieces");
+        let turn = |n: usize| -> String {
+            (0..n)
+                .map(|i| {
+                    format!(
+                        "<|im_start|>user\nthe cat {i} {}<|im_end|>\n",
+                        "hello ".repeat(20)
+                    )
+                })
+                .collect::<String>()
+                + "<|im_start|>assistant\n"
+        };
+        let first = p.encode(&tok, &turn(20)).expect("ok").expect("cut");
+        assert_eq!(first, whole(&tok, &turn(20)));
+        let missed = p.stats().miss_tokens.load(Relaxed);
+        let second = p.encode(&tok, &turn(21)).expect("ok").expect("cut");
+        assert_eq!(second, whole(&tok, &turn(21)));
+        let new = p.stats().miss_tokens.load(Relaxed) - missed;
+        let hit = p.stats().hit_tokens.load(Relaxed);
+        assert!(
+            hit > 10 * new,
+            "the next turn re-encodes {new} tokens and finds {hit} in the cache"
+        );
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_bytes() {
+        let tok = metaspace("first");
+        let p = Pieces::with_min_piece(&tok, 4096, 8).expect("pieces");
+        for text in texts(3, 300) {
+            if let Some(got) = p.encode(&tok, &text).expect("encodes") {
+                assert_eq!(got, whole(&tok, &text));
+            }
+        }
+        let s = p.stats();
+        assert!(s.evictions.load(Relaxed) > 0);
+        assert!(s.bytes.load(Relaxed) <= 4096);
+        assert!(p.len() > 0);
+    }
+
+    #[test]
+    fn a_wrong_piece_is_caught_by_the_whole_encoding_and_turns_pieces_off() {
+        let tok = metaspace("first");
+        let p = Pieces::with_min_piece(&tok, 1 << 20, 4).expect("pieces");
+        let text = "the cat<|im_start|>hello the cat<|im_end|>cat cat";
+        assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
+        // Corrupt the first piece's ids in place, as a tokenizer whose pieces are not
+        // independent would have produced them.
+        {
+            let mut c = p.cache.lock().expect("lock");
+            let (_, e) = c
+                .map
+                .iter_mut()
+                .find(|(_, e)| e.first)
+                .expect("first piece");
+            let mut ids = e.ids.to_vec();
+            ids.push(ids[0]);
+            e.ids = ids.into();
+        }
+        assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
+        assert_eq!(p.stats().mismatches.load(Relaxed), 1);
+        assert!(p.is_off());
+        assert_eq!(
+            p.encode(&tok, text).expect("ok"),
+            None,
+            "off: whole from now on"
+        );
+    }
+
+    #[test]
+    fn tokenizers_that_pad_truncate_or_have_nothing_to_cut_at_are_encoded_whole() {
+        let mut tok = metaspace("first");
+        assert!(Pieces::new(&tok, 0).is_err(), "capacity 0: off");
+        tok.with_truncation(Some(tokenizers::TruncationParams::default()))
+            .expect("truncation");
+        assert!(Pieces::new(&tok, 1 << 20).is_err());
+        let mut tok = metaspace("first");
+        tok.set_encode_special_tokens(true);
+        assert!(Pieces::new(&tok, 1 << 20).is_err());
+    }
+}
