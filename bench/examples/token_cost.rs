@@ -1,5 +1,6 @@
 //! Where the OpenAI front's tokenisation time goes: the chat template's rendering and the
-//! tokenizer's encoding, timed apart, for prompts of several sizes.
+//! tokenizer's encoding, timed apart, for prompts of several sizes; then a session's next
+//! turn encoded whole and in pieces with the previous turn's pieces cached.
 //! `cargo run --release -p kvrouter-bench --example token_cost -- CARD_DIR`
 use std::time::Instant;
 
@@ -30,12 +31,62 @@ fn main() -> anyhow::Result<()> {
             card.render_chat(&req).unwrap();
         });
         let encode = time(&mut || {
-            card.encode(&rendered, false).unwrap();
+            card.encode_whole(&rendered, false).unwrap();
         });
-        let n = card.encode(&rendered, false)?.len();
+        let n = card.encode_whole(&rendered, false)?.len();
         println!(
             "{words} words, {n} tokens: render {render:.0} us, encode {encode:.0} us ({:.0} ns/token)",
             encode * 1e3 / n as f64
+        );
+    }
+    session_turns(std::path::Path::new(&dir))
+}
+
+/// A chat of `turns` messages of about 150 words each, alternating user and assistant.
+fn chat(turns: usize) -> serde_json::Value {
+    let messages: Vec<_> = (0..turns)
+        .map(|t| {
+            let text: String = (0..150)
+                .map(|i| format!("w{} ", (t * 7919 + i * 31) % 2003))
+                .collect();
+            let role = if t % 2 == 0 { "user" } else { "assistant" };
+            serde_json::json!({"role": role, "content": text})
+        })
+        .collect();
+    serde_json::json!({"model": "tiny", "messages": messages})
+}
+
+/// The next turn of a session (one message more than the turn before), encoded whole and
+/// in pieces with the turn before already seen, each on a fresh card.
+fn session_turns(dir: &std::path::Path) -> anyhow::Result<()> {
+    for turns in [4usize, 40, 400] {
+        let card = ModelCard::load(dir)?;
+        let before = card.render_chat(&chat(turns))?;
+        let next = card.render_chat(&chat(turns + 1))?;
+        let n = card.encode_whole(&next, false)?.len();
+        let mut whole = Vec::new();
+        let mut pieces = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            card.encode_whole(&next, false)?;
+            whole.push(t.elapsed().as_nanos());
+            let card = ModelCard::load(dir)?;
+            // Past the prompts whose pieces are checked against a whole encoding.
+            for _ in 0..kvrouter_io::proxy::pieces::VERIFY_FIRST {
+                card.encode(&before, false)?;
+            }
+            let t = Instant::now();
+            let ids = card.encode(&next, false)?;
+            pieces.push(t.elapsed().as_nanos());
+            assert_eq!(ids, card.encode_whole(&next, false)?);
+        }
+        whole.sort_unstable();
+        pieces.sort_unstable();
+        println!(
+            "next turn of {} messages, {n} tokens: whole {:.0} us, in pieces {:.0} us",
+            turns + 1,
+            whole[3] as f64 / 1e3,
+            pieces[3] as f64 / 1e3
         );
     }
     Ok(())

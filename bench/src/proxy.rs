@@ -458,9 +458,11 @@ fn dynamo_stack(venv: &Path, model: &Path) -> anyhow::Result<DynamoStack> {
 }
 
 /// Tokenisation cost: a chat request of about `n` prompt tokens rendered with the card's
-/// template and encoded, as the front does for each request; (tokens, median µs of 5).
+/// template and encoded, as the front does for a prompt it has not seen (the piece cache
+/// off: `examples/token_cost.rs` times a session's next turn with it); (tokens, median µs
+/// of 5).
 pub fn tokenisation(model: &Path, sizes: &[usize]) -> anyhow::Result<Vec<(usize, f64)>> {
-    let card = kvrouter_io::proxy::model::ModelCard::load(model)?;
+    let card = kvrouter_io::proxy::model::ModelCard::load_with(model, 0)?;
     let mut out = Vec::new();
     for &n in sizes {
         let text: String = (0..n).map(|i| format!("w{} ", i % 997)).collect();

@@ -579,7 +579,9 @@ fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result
     }
     for (tokens, us) in kvrouter_bench::proxy::tokenisation(&cfg.model, &[1_000, 10_000, 100_000])?
     {
-        println!("  tokenisation (chat template + encode) of {tokens} tokens: {us:.0} us");
+        println!(
+            "  tokenisation of an unseen prompt (chat template + encode) of {tokens} tokens: {us:.0} us"
+        );
     }
     Ok(())
 }
