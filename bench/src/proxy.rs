@@ -73,6 +73,10 @@ pub struct ProxyBench {
     /// card).
     #[arg(long, default_value_t = 200)]
     pub prompt_words: usize,
+    /// Words of each request's question after the system prompt, different in every request
+    /// (0: the same "hello" in every request, so that every body is the same).
+    #[arg(long, default_value_t = 0)]
+    pub question_words: usize,
     /// Dynamo's venv (`../shared/dynamo/setup.sh`): measure its frontend too.
     #[arg(long)]
     pub dynamo_venv: Option<PathBuf>,
@@ -186,20 +190,15 @@ fn load(
     rate: f64,
     seconds: f64,
     connections: usize,
-    body: &[u8],
+    bodies: &Arc<Vec<(Vec<u8>, Vec<u8>)>>,
 ) -> anyhow::Result<(Vec<u64>, u64, u64, f64, u64)> {
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
     let warm = Duration::from_secs(1);
     let start = Instant::now() + Duration::from_millis(100);
     let total = warm + Duration::from_secs_f64(seconds);
     let per = connections as f64 / rate;
     let threads: Vec<_> = (0..connections)
         .map(|i| {
-            let (addr, head, body) = (addr.to_owned(), head.clone(), body.to_vec());
+            let (addr, bodies) = (addr.to_owned(), Arc::clone(bodies));
             std::thread::spawn(move || -> (Vec<u64>, u64, u64, Instant, u64) {
                 let (mut lat, mut errors, mut late) = (Vec::new(), 0u64, 0u64);
                 let mut conn = None;
@@ -227,7 +226,10 @@ fn load(
                         errors += 1;
                         continue;
                     };
-                    match one(c, &head, &body, &mut buf) {
+                    // Connection i sends bodies i, i + connections, ...: each once per
+                    // cycle of the list.
+                    let (head, body) = &bodies[(i + (k as usize - 1) * connections) % bodies.len()];
+                    match one(c, head, body, &mut buf) {
                         Ok(t) => {
                             done += 1;
                             if at >= start + warm {
@@ -289,19 +291,39 @@ fn phase(
     }
 }
 
-/// The request every phase sends.
-fn request_body(words: usize) -> Vec<u8> {
+/// The requests every phase sends, each with its HTTP head: one system prompt of `words`
+/// words, and a question of `question_words` words different in each of 4,096 bodies
+/// ("hello" in one body when 0).
+fn request_bodies(words: usize, question_words: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     let system: String = (0..words).map(|i| format!("w{} ", i % 97)).collect();
-    serde_json::to_vec(&serde_json::json!({
-        "model": "tiny", "stream": true, "max_tokens": 1,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hello"}],
-    }))
-    .expect("json")
+    let n = if question_words == 0 { 1 } else { 4096 };
+    (0..n)
+        .map(|q| {
+            let question = if question_words == 0 {
+                "hello".to_owned()
+            } else {
+                (0..question_words)
+                    .map(|i| format!("q{} ", (q * 131 + i * 17) % 4099))
+                    .collect()
+            };
+            let body = serde_json::to_vec(&serde_json::json!({
+                "model": "tiny", "stream": true, "max_tokens": 1,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            }))
+            .expect("json");
+            let head = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            (head, body)
+        })
+        .collect()
 }
 
 /// Runs every phase at every rate: direct, through kvrouter, and (with a venv) Dynamo.
 pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
-    let body = request_body(cfg.prompt_words);
+    let body = Arc::new(request_bodies(cfg.prompt_words, cfg.question_words));
     let stop = Arc::new(AtomicBool::new(false));
     let engine = mock_engine(Arc::clone(&stop))?;
     let openai = format!("127.0.0.1:{}", free_port()?);

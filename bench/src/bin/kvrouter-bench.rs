@@ -536,8 +536,17 @@ fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result
         all.push(phases);
     }
     println!(
-        "OpenAI front, streaming chat, {} connections, median of {runs}:",
-        cfg.connections
+        "OpenAI front, streaming chat, {} connections, system prompt of {} words, {}, median of {runs}:",
+        cfg.connections,
+        cfg.prompt_words,
+        if cfg.question_words == 0 {
+            "the same question in every request".to_owned()
+        } else {
+            format!(
+                "a different question of {} words in each",
+                cfg.question_words
+            )
+        }
     );
     for (i, p) in all[0].iter().enumerate() {
         let med = |f: &dyn Fn(&kvrouter_bench::proxy::Phase) -> f64| {
