@@ -84,7 +84,7 @@ pub enum PromptError {
 
 /// One model's tokenizer and chat template.
 pub struct ModelCard {
-    tokenizer: tokenizers::Tokenizer,
+    tokenizer: std::sync::Arc<tokenizers::Tokenizer>,
     env: Option<Environment<'static>>,
     /// Whether the template iterates over a message's content parts.
     parts_content: bool,
@@ -184,6 +184,7 @@ impl ModelCard {
         }
         let parts_content = template.as_deref().is_some_and(iterates_content);
         let env = template.map(environment).transpose()?;
+        let tokenizer = std::sync::Arc::new(tokenizer);
         let pieces = match Pieces::new(&tokenizer, piece_cache_bytes) {
             Ok(p) => Some(p),
             Err(why) => {

@@ -29,9 +29,13 @@
 //!
 //! **Checked, not trusted.** Each piece's encoding must begin and end with the ids of the
 //! tokens it was cut at (otherwise the request is encoded whole and a fallback counted). The
-//! first [`VERIFY_FIRST`] prompts, and one in [`VERIFY_EVERY`] after them, are also encoded
-//! whole and compared: a difference turns pieces off for the card for good, counted and
-//! logged, and the whole encoding is what the request gets. Cached pieces are found by a
+//! first [`VERIFY_FIRST`] prompts are also encoded whole and compared before they are
+//! answered: a difference turns pieces off for the card for good, counted and logged, and
+//! the whole encoding is what the request gets. After them, one prompt in [`VERIFY_EVERY`]
+//! is compared the same way on a thread of the card's own, so that the check never delays a
+//! request (a whole encoding on the front's executor would stall every stream it relays: it
+//! showed in the added p99); a difference found there turns pieces off for the prompts that
+//! follow. Samples that find the checker busy are skipped and counted. Cached pieces are found by a
 //! hash under a per-process random key and confirmed by comparing their text.
 //!
 //! **Memory.** Bounded by `capacity` bytes (the text and the ids of each piece), least
@@ -83,6 +87,8 @@ pub struct PieceStats {
     pub fallbacks: AtomicU64,
     /// Pieces evicted to stay within the capacity.
     pub evictions: AtomicU64,
+    /// Sampled prompts not compared because the checker was still busy with one.
+    pub checks_skipped: AtomicU64,
     /// Bytes held now.
     pub bytes: AtomicU64,
 }
@@ -104,6 +110,39 @@ struct Cache {
     bytes: usize,
 }
 
+/// What the request path and the checker thread share.
+#[derive(Debug, Default)]
+struct Shared {
+    off: AtomicBool,
+    stats: PieceStats,
+}
+
+impl Shared {
+    /// Compares a prompt's pieces with its whole encoding; a difference turns pieces off
+    /// (logged once). Whether they were equal.
+    fn check(&self, whole: &[u32], pieces: &[u32], prompt_bytes: usize) -> bool {
+        if whole == pieces {
+            self.stats.verified.fetch_add(1, Relaxed);
+            return true;
+        }
+        self.stats.mismatches.fetch_add(1, Relaxed);
+        if !self.off.swap(true, Relaxed) {
+            let at = whole.iter().zip(pieces).take_while(|(a, b)| a == b).count();
+            tracing::error!(
+                prompt_bytes,
+                whole_tokens = whole.len(),
+                piece_tokens = pieces.len(),
+                first_difference = at,
+                "a prompt encoded in pieces differs from its whole encoding: pieces are off for this tokenizer"
+            );
+        }
+        false
+    }
+}
+
+/// A sampled prompt for the checker: its text and its ids from pieces.
+type Sample = (Box<str>, Vec<u32>);
+
 /// A card's piecewise encoder.
 pub(crate) struct Pieces {
     /// Every added token matched on the raw text, as the tokenizer matches them.
@@ -115,8 +154,10 @@ pub(crate) struct Pieces {
     capacity: usize,
     cache: Mutex<Cache>,
     key: ahash::RandomState,
-    off: AtomicBool,
-    stats: PieceStats,
+    shared: Arc<Shared>,
+    /// The checker thread's queue (none: it could not be started, and samples are compared
+    /// on the caller's thread). It ends when this is dropped.
+    checker: Option<flume::Sender<Sample>>,
 }
 
 impl std::fmt::Debug for Pieces {
@@ -124,7 +165,7 @@ impl std::fmt::Debug for Pieces {
         f.debug_struct("Pieces")
             .field("cut_tokens", &self.tokens.iter().filter(|t| t.1).count())
             .field("capacity", &self.capacity)
-            .field("off", &self.off.load(Relaxed))
+            .field("off", &self.is_off())
             .finish_non_exhaustive()
     }
 }
@@ -132,12 +173,12 @@ impl std::fmt::Debug for Pieces {
 impl Pieces {
     /// The encoder for `tok`, holding at most `capacity` bytes of pieces; `Err` says why
     /// this tokenizer is encoded whole.
-    pub(crate) fn new(tok: &Tokenizer, capacity: usize) -> Result<Self, &'static str> {
+    pub(crate) fn new(tok: &Arc<Tokenizer>, capacity: usize) -> Result<Self, &'static str> {
         Self::with_min_piece(tok, capacity, MIN_PIECE_BYTES)
     }
 
     pub(crate) fn with_min_piece(
-        tok: &Tokenizer,
+        tok: &Arc<Tokenizer>,
         capacity: usize,
         min_piece: usize,
     ) -> Result<Self, &'static str> {
@@ -163,6 +204,23 @@ impl Pieces {
             .match_kind(MatchKind::LeftmostLongest)
             .build(added.iter().map(|(_, t)| t.content.as_str()))
             .map_err(|_| "the added tokens do not build a matcher")?;
+        let shared = Arc::new(Shared::default());
+        let (tx, rx) = flume::bounded::<Sample>(1);
+        let checker = {
+            let (tok, shared) = (Arc::clone(tok), Arc::clone(&shared));
+            std::thread::Builder::new()
+                .name("kvrouter-tok-check".into())
+                .spawn(move || {
+                    while let Ok((text, pieces)) = rx.recv() {
+                        if let Ok(e) = tok.encode_fast(&*text, false) {
+                            shared.check(e.get_ids(), &pieces, text.len());
+                        }
+                    }
+                })
+                .map(|_| tx)
+                .map_err(|e| tracing::warn!(error = %e, "no checker thread: sampled prompts are compared inline"))
+                .ok()
+        };
         Ok(Self {
             matcher,
             tokens: added.iter().map(|(id, t)| (*id, !t.single_word)).collect(),
@@ -173,18 +231,18 @@ impl Pieces {
                 bytes: 0,
             }),
             key: ahash::RandomState::new(),
-            off: AtomicBool::new(false),
-            stats: PieceStats::default(),
+            shared,
+            checker,
         })
     }
 
     pub(crate) fn stats(&self) -> &PieceStats {
-        &self.stats
+        &self.shared.stats
     }
 
     /// Whether a difference from the whole encoding turned pieces off.
     pub(crate) fn is_off(&self) -> bool {
-        self.off.load(Relaxed)
+        self.shared.off.load(Relaxed)
     }
 
     /// Where `text` is cut: each cut token's start, end and id.
@@ -231,30 +289,23 @@ impl Pieces {
             Some(p) => ids.extend_from_slice(&p),
             None => return Ok(self.fell_back()),
         }
-        let n = self.stats.prompts.fetch_add(1, Relaxed);
-        if n < VERIFY_FIRST || n.is_multiple_of(VERIFY_EVERY) {
+        let n = self.stats().prompts.fetch_add(1, Relaxed);
+        let sampled = n >= VERIFY_FIRST && n.is_multiple_of(VERIFY_EVERY);
+        if let (true, Some(tx)) = (sampled, &self.checker) {
+            if tx.try_send((text.into(), ids.clone())).is_err() {
+                self.stats().checks_skipped.fetch_add(1, Relaxed);
+            }
+        } else if n < VERIFY_FIRST || sampled {
             let whole = tok.encode_fast(text, false)?.get_ids().to_vec();
-            if whole != ids {
-                self.stats.mismatches.fetch_add(1, Relaxed);
-                if !self.off.swap(true, Relaxed) {
-                    let at = whole.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-                    tracing::error!(
-                        prompt_bytes = text.len(),
-                        whole_tokens = whole.len(),
-                        piece_tokens = ids.len(),
-                        first_difference = at,
-                        "a prompt encoded in pieces differs from its whole encoding: pieces are off for this tokenizer"
-                    );
-                }
+            if !self.shared.check(&whole, &ids, text.len()) {
                 return Ok(Some(whole));
             }
-            self.stats.verified.fetch_add(1, Relaxed);
         }
         Ok(Some(ids))
     }
 
     fn fell_back(&self) -> Option<Vec<u32>> {
-        self.stats.fallbacks.fetch_add(1, Relaxed);
+        self.stats().fallbacks.fetch_add(1, Relaxed);
         None
     }
 
@@ -277,8 +328,10 @@ impl Pieces {
                 && e.first == first
                 && *e.text == *text
             {
-                self.stats.hits.fetch_add(1, Relaxed);
-                self.stats.hit_tokens.fetch_add(e.ids.len() as u64, Relaxed);
+                self.stats().hits.fetch_add(1, Relaxed);
+                self.stats()
+                    .hit_tokens
+                    .fetch_add(e.ids.len() as u64, Relaxed);
                 return Ok(Some(Arc::clone(&e.ids)));
             }
         }
@@ -290,8 +343,10 @@ impl Pieces {
             return Ok(None);
         }
         let ids: Arc<[u32]> = all[usize::from(!first)..].into();
-        self.stats.misses.fetch_add(1, Relaxed);
-        self.stats.miss_tokens.fetch_add(ids.len() as u64, Relaxed);
+        self.stats().misses.fetch_add(1, Relaxed);
+        self.stats()
+            .miss_tokens
+            .fetch_add(ids.len() as u64, Relaxed);
         if let Some(k) = key {
             self.insert(
                 k,
@@ -325,8 +380,8 @@ impl Pieces {
                 None => break,
             }
         }
-        self.stats.evictions.fetch_add(evicted, Relaxed);
-        self.stats.bytes.store(c.bytes as u64, Relaxed);
+        self.stats().evictions.fetch_add(evicted, Relaxed);
+        self.stats().bytes.store(c.bytes as u64, Relaxed);
     }
 
     #[cfg(test)]
@@ -413,20 +468,24 @@ mod tests {
         Tokenizer::from_bytes(spec.to_string().as_bytes()).expect("tokenizer")
     }
 
-    fn metaspace(scheme: &str) -> Tokenizer {
+    fn metaspace_raw(scheme: &str) -> Tokenizer {
         tokenizer(
             serde_json::Value::Null,
             json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": true}),
         )
     }
 
-    fn llama2_normalizer() -> Tokenizer {
-        tokenizer(
+    fn metaspace(scheme: &str) -> Arc<Tokenizer> {
+        Arc::new(metaspace_raw(scheme))
+    }
+
+    fn llama2_normalizer() -> Arc<Tokenizer> {
+        Arc::new(tokenizer(
             json!({"type": "Sequence", "normalizers": [
                 {"type": "Prepend", "prepend": "▁"},
                 {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}),
             serde_json::Value::Null,
-        )
+        ))
     }
 
     /// xorshift64*: a fixed-seed stream for the texts.
@@ -557,13 +616,53 @@ mod tests {
 
     #[test]
     fn tokenizers_that_pad_truncate_or_have_nothing_to_cut_at_are_encoded_whole() {
-        let mut tok = metaspace("first");
-        assert!(Pieces::new(&tok, 0).is_err(), "capacity 0: off");
+        assert!(
+            Pieces::new(&metaspace("first"), 0).is_err(),
+            "capacity 0: off"
+        );
+        let mut tok = metaspace_raw("first");
         tok.with_truncation(Some(tokenizers::TruncationParams::default()))
             .expect("truncation");
-        assert!(Pieces::new(&tok, 1 << 20).is_err());
-        let mut tok = metaspace("first");
+        assert!(Pieces::new(&Arc::new(tok), 1 << 20).is_err());
+        let mut tok = metaspace_raw("first");
         tok.set_encode_special_tokens(true);
-        assert!(Pieces::new(&tok, 1 << 20).is_err());
+        assert!(Pieces::new(&Arc::new(tok), 1 << 20).is_err());
+    }
+
+    #[test]
+    fn a_sampled_prompt_is_checked_off_the_request_path() {
+        let tok = metaspace("first");
+        let p = Pieces::with_min_piece(&tok, 1 << 20, 4).expect("pieces");
+        let text = "the cat<|im_start|>hello the cat<|im_end|>cat cat";
+        // Up to the first prompt sampled after the ones checked inline.
+        for _ in 0..VERIFY_EVERY {
+            assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
+        }
+        assert_eq!(p.stats().verified.load(Relaxed), VERIFY_FIRST);
+        {
+            let mut c = p.cache.lock().expect("lock");
+            let (_, e) = c
+                .map
+                .iter_mut()
+                .find(|(_, e)| e.first)
+                .expect("first piece");
+            let mut ids = e.ids.to_vec();
+            ids.push(ids[0]);
+            e.ids = ids.into();
+        }
+        // This one is answered from pieces (wrong, as a broken tokenizer's would be) and
+        // compared on the checker thread, which turns pieces off for what follows.
+        let wrong = p.encode(&tok, text).expect("ok").expect("pieces");
+        assert_ne!(wrong, whole(&tok, text));
+        let t = std::time::Instant::now();
+        while !p.is_off() {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(10),
+                "never checked"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(p.stats().mismatches.load(Relaxed), 1);
+        assert_eq!(p.encode(&tok, text).expect("ok"), None);
     }
 }

@@ -134,7 +134,7 @@ impl ProxyStats {
         }
         let _ = writeln!(
             out,
-            "# HELP kvrouter_proxy_tokenize_piece_prompts_total Prompts encoded in pieces, and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback).\n# TYPE kvrouter_proxy_tokenize_piece_prompts_total counter"
+            "# HELP kvrouter_proxy_tokenize_piece_prompts_total Prompts encoded in pieces, and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback), sampled but not compared while the checker was busy (check_skipped).\n# TYPE kvrouter_proxy_tokenize_piece_prompts_total counter"
         );
         for (m, _, s) in &stats {
             for (what, n) in [
@@ -142,6 +142,7 @@ impl ProxyStats {
                 ("verified", &s.verified),
                 ("mismatch", &s.mismatches),
                 ("fallback", &s.fallbacks),
+                ("check_skipped", &s.checks_skipped),
             ] {
                 let _ = writeln!(
                     out,
