@@ -230,3 +230,71 @@ fn a_failing_template_is_an_error_not_a_panic() {
     );
     assert!(card.completion_tokens(&json!({"prompt": [-1]})).is_err());
 }
+
+/// Texts of the tiny card's special tokens, whitespace of every kind, multi-byte characters
+/// and words, in any order: whatever the cut, pieces give the whole encoding.
+mod any_text {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+    use std::sync::atomic::Ordering::Relaxed;
+
+    const FRAGMENTS: &[&str] = &[
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        "<unk>",
+        "<|eot_id",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        " \n ",
+        "hello",
+        "world",
+        "def main():",
+        "    return 1",
+        "déjà vu",
+        "🙂",
+        "ñ",
+        "w12",
+        "1234567",
+        "'s",
+        "(x)",
+    ];
+
+    fn card() -> &'static ModelCard {
+        static CARD: OnceLock<ModelCard> = OnceLock::new();
+        CARD.get_or_init(|| ModelCard::load(&tiny_card()).expect("card loads"))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn pieces_equal_the_whole_encoding(parts in prop::collection::vec(0..FRAGMENTS.len(), 60..400)) {
+            let text: String = parts.iter().map(|&i| FRAGMENTS[i]).collect();
+            let card = card();
+            let whole = card.encode_whole(&text, false).expect("encodes");
+            prop_assert_eq!(card.encode(&text, false).expect("encodes"), whole);
+            prop_assert!(!card.pieces_off(), "a prompt's pieces differed from its whole");
+        }
+    }
+
+    #[test]
+    fn and_they_were_cut() {
+        // Runs after or beside the property; on its own it cuts one text itself.
+        let text: String = (0..200).map(|i| FRAGMENTS[i % FRAGMENTS.len()]).collect();
+        let card = card();
+        assert_eq!(
+            card.encode(&text, false).expect("encodes"),
+            card.encode_whole(&text, false).expect("encodes")
+        );
+        let s = card.piece_stats().expect("pieces");
+        assert!(s.prompts.load(Relaxed) >= 1);
+        assert_eq!(s.mismatches.load(Relaxed), 0);
+    }
+}
