@@ -585,25 +585,27 @@ mod tests {
         assert!(p.len() > 0);
     }
 
+    /// Corrupts the first piece's ids in place, as a tokenizer whose pieces are not
+    /// independent would have produced them.
+    fn corrupt_first_piece(p: &Pieces) {
+        let mut c = p.cache.lock().expect("lock");
+        let (_, e) = c
+            .map
+            .iter_mut()
+            .find(|(_, e)| e.first)
+            .expect("first piece");
+        let mut ids = e.ids.to_vec();
+        ids.push(ids[0]);
+        e.ids = ids.into();
+    }
+
     #[test]
     fn a_wrong_piece_is_caught_by_the_whole_encoding_and_turns_pieces_off() {
         let tok = metaspace("first");
         let p = Pieces::with_min_piece(&tok, 1 << 20, 4).expect("pieces");
         let text = "the cat<|im_start|>hello the cat<|im_end|>cat cat";
         assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
-        // Corrupt the first piece's ids in place, as a tokenizer whose pieces are not
-        // independent would have produced them.
-        {
-            let mut c = p.cache.lock().expect("lock");
-            let (_, e) = c
-                .map
-                .iter_mut()
-                .find(|(_, e)| e.first)
-                .expect("first piece");
-            let mut ids = e.ids.to_vec();
-            ids.push(ids[0]);
-            e.ids = ids.into();
-        }
+        corrupt_first_piece(&p);
         assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
         assert_eq!(p.stats().mismatches.load(Relaxed), 1);
         assert!(p.is_off());
@@ -639,17 +641,7 @@ mod tests {
             assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
         }
         assert_eq!(p.stats().verified.load(Relaxed), VERIFY_FIRST);
-        {
-            let mut c = p.cache.lock().expect("lock");
-            let (_, e) = c
-                .map
-                .iter_mut()
-                .find(|(_, e)| e.first)
-                .expect("first piece");
-            let mut ids = e.ids.to_vec();
-            ids.push(ids[0]);
-            e.ids = ids.into();
-        }
+        corrupt_first_piece(&p);
         // This one is answered from pieces (wrong, as a broken tokenizer's would be) and
         // compared on the checker thread, which turns pieces off for what follows.
         let wrong = p.encode(&tok, text).expect("ok").expect("pieces");

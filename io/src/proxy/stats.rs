@@ -5,9 +5,10 @@ use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::model::ModelCard;
+use super::pieces::PieceStats;
 
 /// Upper bounds of the latency buckets, seconds.
 const LATENCY_BUCKETS: [f64; 16] = [
@@ -100,6 +101,7 @@ fn bump(c: &Cell<u64>, by: u64) {
 impl ProxyStats {
     /// The piece caches' counters, per card.
     fn render_pieces(&self, out: &mut String) {
+        type Rows = fn(&ModelCard, &PieceStats) -> Vec<(&'static str, u64)>;
         let cards = self.cards.borrow();
         let stats: Vec<_> = cards
             .iter()
@@ -108,81 +110,67 @@ impl ProxyStats {
         if stats.is_empty() {
             return;
         }
-        let _ = writeln!(
-            out,
-            "# HELP kvrouter_proxy_tokenize_pieces_total Prompt pieces found in the piece cache (hit) or encoded (miss).\n# TYPE kvrouter_proxy_tokenize_pieces_total counter"
-        );
-        for (m, _, s) in &stats {
-            let _ = writeln!(
-                out,
-                "kvrouter_proxy_tokenize_pieces_total{{model=\"{m}\",outcome=\"hit\"}} {}\nkvrouter_proxy_tokenize_pieces_total{{model=\"{m}\",outcome=\"miss\"}} {}",
-                s.hits.load(Relaxed),
-                s.misses.load(Relaxed)
-            );
+        fn n(a: &AtomicU64) -> u64 {
+            a.load(Relaxed)
         }
-        let _ = writeln!(
-            out,
-            "# HELP kvrouter_proxy_tokenize_piece_tokens_total Tokens of the prompt pieces found in the cache (hit) or encoded (miss).\n# TYPE kvrouter_proxy_tokenize_piece_tokens_total counter"
-        );
-        for (m, _, s) in &stats {
-            let _ = writeln!(
-                out,
-                "kvrouter_proxy_tokenize_piece_tokens_total{{model=\"{m}\",outcome=\"hit\"}} {}\nkvrouter_proxy_tokenize_piece_tokens_total{{model=\"{m}\",outcome=\"miss\"}} {}",
-                s.hit_tokens.load(Relaxed),
-                s.miss_tokens.load(Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvrouter_proxy_tokenize_piece_prompts_total Prompts encoded in pieces, and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback), sampled but not compared while the checker was busy (check_skipped).\n# TYPE kvrouter_proxy_tokenize_piece_prompts_total counter"
-        );
-        for (m, _, s) in &stats {
-            for (what, n) in [
-                ("pieces", &s.prompts),
-                ("verified", &s.verified),
-                ("mismatch", &s.mismatches),
-                ("fallback", &s.fallbacks),
-                ("check_skipped", &s.checks_skipped),
-            ] {
-                let _ = writeln!(
-                    out,
-                    "kvrouter_proxy_tokenize_piece_prompts_total{{model=\"{m}\",outcome=\"{what}\"}} {}",
-                    n.load(Relaxed)
-                );
+        // Name, help, type, and each card's rows (the outcome label, or none).
+        let families: [(&str, &str, &str, Rows); 6] = [
+            (
+                "kvrouter_proxy_tokenize_pieces_total",
+                "Prompt pieces found in the piece cache (hit) or encoded (miss).",
+                "counter",
+                |_, s| vec![("hit", n(&s.hits)), ("miss", n(&s.misses))],
+            ),
+            (
+                "kvrouter_proxy_tokenize_piece_tokens_total",
+                "Tokens of the prompt pieces found in the cache (hit) or encoded (miss).",
+                "counter",
+                |_, s| vec![("hit", n(&s.hit_tokens)), ("miss", n(&s.miss_tokens))],
+            ),
+            (
+                "kvrouter_proxy_tokenize_piece_prompts_total",
+                "Prompts encoded in pieces, and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback), sampled but not compared while the checker was busy (check_skipped).",
+                "counter",
+                |_, s| {
+                    vec![
+                        ("pieces", n(&s.prompts)),
+                        ("verified", n(&s.verified)),
+                        ("mismatch", n(&s.mismatches)),
+                        ("fallback", n(&s.fallbacks)),
+                        ("check_skipped", n(&s.checks_skipped)),
+                    ]
+                },
+            ),
+            (
+                "kvrouter_proxy_tokenize_cache_bytes",
+                "Bytes the piece cache holds (text and ids).",
+                "gauge",
+                |_, s| vec![("", n(&s.bytes))],
+            ),
+            (
+                "kvrouter_proxy_tokenize_cache_evictions_total",
+                "Pieces evicted to keep the cache within its bytes.",
+                "counter",
+                |_, s| vec![("", n(&s.evictions))],
+            ),
+            (
+                "kvrouter_proxy_tokenize_pieces_off",
+                "1 when a piecewise encoding differed from the whole and pieces were turned off for the card.",
+                "gauge",
+                |c, _| vec![("", u64::from(c.pieces_off()))],
+            ),
+        ];
+        for (name, help, kind, rows) in families {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (m, c, s) in &stats {
+                for (outcome, v) in rows(c, s) {
+                    let _ = if outcome.is_empty() {
+                        writeln!(out, "{name}{{model=\"{m}\"}} {v}")
+                    } else {
+                        writeln!(out, "{name}{{model=\"{m}\",outcome=\"{outcome}\"}} {v}")
+                    };
+                }
             }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvrouter_proxy_tokenize_cache_bytes Bytes the piece cache holds (text and ids).\n# TYPE kvrouter_proxy_tokenize_cache_bytes gauge"
-        );
-        for (m, _, s) in &stats {
-            let _ = writeln!(
-                out,
-                "kvrouter_proxy_tokenize_cache_bytes{{model=\"{m}\"}} {}",
-                s.bytes.load(Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvrouter_proxy_tokenize_cache_evictions_total Pieces evicted to keep the cache within its bytes.\n# TYPE kvrouter_proxy_tokenize_cache_evictions_total counter"
-        );
-        for (m, _, s) in &stats {
-            let _ = writeln!(
-                out,
-                "kvrouter_proxy_tokenize_cache_evictions_total{{model=\"{m}\"}} {}",
-                s.evictions.load(Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvrouter_proxy_tokenize_pieces_off 1 when a piecewise encoding differed from the whole and pieces were turned off for the card.\n# TYPE kvrouter_proxy_tokenize_pieces_off gauge"
-        );
-        for (m, c, _) in &stats {
-            let _ = writeln!(
-                out,
-                "kvrouter_proxy_tokenize_pieces_off{{model=\"{m}\"}} {}",
-                u8::from(c.pieces_off())
-            );
         }
     }
 
