@@ -278,8 +278,10 @@ mod any_text {
         fn pieces_equal_the_whole_encoding(parts in prop::collection::vec(0..FRAGMENTS.len(), 60..400)) {
             let text: String = parts.iter().map(|&i| FRAGMENTS[i]).collect();
             let card = card();
-            let whole = card.encode_whole(&text, false).expect("encodes");
-            prop_assert_eq!(card.encode(&text, false).expect("encodes"), whole);
+            for special in [false, true] {
+                let whole = card.encode_whole(&text, special).expect("encodes");
+                prop_assert_eq!(card.encode(&text, special).expect("encodes"), whole);
+            }
             prop_assert!(!card.pieces_off(), "a prompt's pieces differed from its whole");
         }
     }

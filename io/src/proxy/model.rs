@@ -13,9 +13,9 @@
 //! template wrote them). A completion's text prompt is encoded with them, as vLLM does;
 //! a prompt of token ids is taken as it is.
 //!
-//! A prompt encoded without added special tokens goes through [`super::pieces`]: cut at
-//! special tokens, each piece encoded once and then found in a cache, so that a session's
-//! next turn encodes only its new messages.
+//! Prompts go through [`super::pieces`]: cut at special tokens, each piece encoded once and
+//! then found in a cache, so that a session's next turn encodes only its new messages (a
+//! completion's prompt too, where the tokenizer adds its special tokens around it).
 //!
 //! Message content given as parts (`[{"type": "text", "text": ...}]`) reaches a template
 //! that iterates over content as it is; any other template sees the text parts joined by
@@ -336,9 +336,10 @@ impl ModelCard {
     /// Encodes text: in pieces where it can ([`super::pieces`]), whole otherwise.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
         let err = |e: tokenizers::Error| PromptError::Tokenize(e.to_string());
-        if !add_special_tokens
-            && let Some(p) = &self.pieces
-            && let Some(ids) = p.encode(&self.tokenizer, text).map_err(err)?
+        if let Some(p) = &self.pieces
+            && let Some(ids) = p
+                .encode(&self.tokenizer, text, add_special_tokens)
+                .map_err(err)?
         {
             return Ok(ids);
         }

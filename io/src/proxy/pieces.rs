@@ -17,9 +17,11 @@
 //! encoded with the token that opens it, which is then dropped (it was the previous piece's
 //! last id), and every piece but the last is encoded through the token that closes it, so
 //! that `lstrip` and `rstrip` take the same whitespace as in the whole. Padding, truncation
-//! and the post-processor act on the whole encoding, so pieces are used only where none of
-//! them applies: no padding, no truncation, no special tokens added (a chat prompt: its
-//! template wrote them).
+//! and the post-processor act on the whole encoding: pieces are used only where the
+//! tokenizer neither pads nor truncates, and where special tokens are to be added (a
+//! completion's text prompt), only when the post-processor adds the same ids before and after
+//! any single sequence (found at load by encoding probes with and without them; Llama's BOS,
+//! for one), which then frame the pieces.
 //!
 //! **Where pieces are cut.** At the first cut token at least [`MIN_PIECE_BYTES`] past the
 //! previous cut: the rule reads only the text before the cut, so the next turn of a session,
@@ -140,8 +142,9 @@ impl Shared {
     }
 }
 
-/// A sampled prompt for the checker: its text and its ids from pieces.
-type Sample = (Box<str>, Vec<u32>);
+/// A sampled prompt for the checker: its text, whether special tokens were added, and its
+/// ids from pieces.
+type Sample = (Box<str>, bool, Vec<u32>);
 
 /// A card's piecewise encoder.
 pub(crate) struct Pieces {
@@ -152,6 +155,9 @@ pub(crate) struct Pieces {
     tokens: Vec<(u32, bool)>,
     min_piece: usize,
     capacity: usize,
+    /// The ids the post-processor puts before and after a single sequence when special
+    /// tokens are added (none: such prompts are encoded whole).
+    framing: Option<(Vec<u32>, Vec<u32>)>,
     cache: Mutex<Cache>,
     key: ahash::RandomState,
     shared: Arc<Shared>,
@@ -211,8 +217,8 @@ impl Pieces {
             std::thread::Builder::new()
                 .name("kvrouter-tok-check".into())
                 .spawn(move || {
-                    while let Ok((text, pieces)) = rx.recv() {
-                        if let Ok(e) = tok.encode_fast(&*text, false) {
+                    while let Ok((text, special, pieces)) = rx.recv() {
+                        if let Ok(e) = tok.encode_fast(&*text, special) {
                             shared.check(e.get_ids(), &pieces, text.len());
                         }
                     }
@@ -222,6 +228,7 @@ impl Pieces {
                 .ok()
         };
         Ok(Self {
+            framing: framing(tok),
             matcher,
             tokens: added.iter().map(|(id, t)| (*id, !t.single_word)).collect(),
             min_piece: min_piece.max(1),
@@ -259,22 +266,30 @@ impl Pieces {
         out
     }
 
-    /// The ids of `text` (encoded without added special tokens), or `None` where the
-    /// caller must encode it whole (too short to cut, pieces off, or a piece that did not
-    /// end at its token).
+    /// The ids of `text`, with the post-processor's special tokens where `special`, or
+    /// `None` where the caller must encode it whole (too short to cut, pieces off, a piece
+    /// that did not end at its token, or special tokens this tokenizer adds otherwise than
+    /// around the sequence).
     pub(crate) fn encode(
         &self,
         tok: &Tokenizer,
         text: &str,
+        special: bool,
     ) -> Result<Option<Vec<u32>>, tokenizers::Error> {
         if self.is_off() || text.len() < 2 * self.min_piece {
             return Ok(None);
         }
+        let (before, after) = match (&self.framing, special) {
+            (_, false) => (&[][..], &[][..]),
+            (Some((b, a)), true) => (&b[..], &a[..]),
+            (None, true) => return Ok(None),
+        };
         let cuts = self.cuts(text);
         if cuts.is_empty() {
             return Ok(None);
         }
         let mut ids = Vec::with_capacity(text.len() / 3);
+        ids.extend_from_slice(before);
         let mut start = 0;
         let mut lead = None;
         for &(at, end, id) in &cuts {
@@ -289,14 +304,15 @@ impl Pieces {
             Some(p) => ids.extend_from_slice(&p),
             None => return Ok(self.fell_back()),
         }
+        ids.extend_from_slice(after);
         let n = self.stats().prompts.fetch_add(1, Relaxed);
         let sampled = n >= VERIFY_FIRST && n.is_multiple_of(VERIFY_EVERY);
         if let (true, Some(tx)) = (sampled, &self.checker) {
-            if tx.try_send((text.into(), ids.clone())).is_err() {
+            if tx.try_send((text.into(), special, ids.clone())).is_err() {
                 self.stats().checks_skipped.fetch_add(1, Relaxed);
             }
         } else if n < VERIFY_FIRST || sampled {
-            let whole = tok.encode_fast(text, false)?.get_ids().to_vec();
+            let whole = tok.encode_fast(text, special)?.get_ids().to_vec();
             if !self.shared.check(&whole, &ids, text.len()) {
                 return Ok(Some(whole));
             }
@@ -390,6 +406,27 @@ impl Pieces {
     }
 }
 
+/// The ids the post-processor adds before and after a single sequence, if it adds the same
+/// around every one: each probe's ids with special tokens must be its ids without them,
+/// framed by the same two runs.
+fn framing(tok: &Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    let mut found: Option<(Vec<u32>, Vec<u32>)> = None;
+    for probe in ["a", "hello world", "0 1\n2"] {
+        let with = tok.encode_fast(probe, true).ok()?.get_ids().to_vec();
+        let bare = tok.encode_fast(probe, false).ok()?.get_ids().to_vec();
+        if bare.is_empty() {
+            return None;
+        }
+        let at = with.windows(bare.len()).position(|w| w == bare)?;
+        let frame = (with[..at].to_vec(), with[at + bare.len()..].to_vec());
+        match &found {
+            Some(f) if *f != frame => return None,
+            _ => found = Some(frame),
+        }
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,6 +456,15 @@ mod tests {
     /// A small BPE over letters with a few merges; added tokens of every kind (special or
     /// not, `lstrip`/`rstrip`, `single_word`, one matched after normalisation).
     fn tokenizer(normalizer: serde_json::Value, pre: serde_json::Value) -> Tokenizer {
+        tokenizer_with(normalizer, pre, serde_json::Value::Null)
+    }
+
+    /// [`tokenizer`] with a post-processor.
+    fn tokenizer_with(
+        normalizer: serde_json::Value,
+        pre: serde_json::Value,
+        post: serde_json::Value,
+    ) -> Tokenizer {
         let added = [
             ("<unk>", true, false, false, false, false),
             ("<s>", true, false, false, false, false),
@@ -460,7 +506,7 @@ mod tests {
         let merges: Vec<_> = merges.iter().map(|(a, b)| json!([a, b])).collect();
         let spec = json!({
             "version": "1.0", "truncation": null, "padding": null, "added_tokens": tokens,
-            "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": null, "decoder": null,
+            "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": post, "decoder": null,
             "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
                 "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
                 "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}
@@ -526,7 +572,7 @@ mod tests {
                 for pass in 0..2 {
                     for text in texts(7, 400) {
                         let want = whole(&tok, &text);
-                        if let Some(got) = p.encode(&tok, &text).expect("encodes") {
+                        if let Some(got) = p.encode(&tok, &text, false).expect("encodes") {
                             assert_eq!(got, want, "{name}, min {min_piece}, pass {pass}: {text:?}");
                             cut += 1;
                         }
@@ -540,6 +586,45 @@ mod tests {
                 assert!(s.verified.load(Relaxed) >= VERIFY_FIRST, "{name}");
             }
         }
+    }
+
+    /// Llama's framing: `<s>` before every sequence when special tokens are added, and,
+    /// for the test, `<|im_end|>` after it.
+    fn with_bos() -> Arc<Tokenizer> {
+        let t = |id: &str| json!({"SpecialToken": {"id": id, "type_id": 0}});
+        let seq = |id: &str| json!({"Sequence": {"id": id, "type_id": 0}});
+        Arc::new(tokenizer_with(
+            serde_json::Value::Null,
+            json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true}),
+            json!({"type": "TemplateProcessing",
+                "single": [t("<s>"), seq("A"), t("<|im_end|>")],
+                "pair": [t("<s>"), seq("A"), seq("B")],
+                "special_tokens": {
+                    "<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+                    "<|im_end|>": {"id": "<|im_end|>", "ids": [3], "tokens": ["<|im_end|>"]}}}),
+        ))
+    }
+
+    #[test]
+    fn special_tokens_the_post_processor_adds_frame_the_pieces() {
+        let tok = with_bos();
+        let p = Pieces::with_min_piece(&tok, 1 << 20, 4).expect("pieces");
+        assert_eq!(p.framing, Some((vec![1], vec![3])));
+        let mut cut = 0;
+        for text in texts(11, 300) {
+            for special in [false, true] {
+                let want = tok.encode(text.as_str(), special).expect("encodes");
+                if let Some(got) = p.encode(&tok, &text, special).expect("encodes") {
+                    assert_eq!(got, want.get_ids(), "special {special}: {text:?}");
+                    cut += 1;
+                }
+            }
+        }
+        assert!(cut > 300, "{cut}");
+        assert_eq!(p.stats().mismatches.load(Relaxed), 0);
+        // No post-processor: nothing added either way.
+        let plain = metaspace("first");
+        assert_eq!(framing(&plain), Some((vec![], vec![])));
     }
 
     #[test]
@@ -557,10 +642,10 @@ mod tests {
                 .collect::<String>()
                 + "<|im_start|>assistant\n"
         };
-        let first = p.encode(&tok, &turn(20)).expect("ok").expect("cut");
+        let first = p.encode(&tok, &turn(20), false).expect("ok").expect("cut");
         assert_eq!(first, whole(&tok, &turn(20)));
         let missed = p.stats().miss_tokens.load(Relaxed);
-        let second = p.encode(&tok, &turn(21)).expect("ok").expect("cut");
+        let second = p.encode(&tok, &turn(21), false).expect("ok").expect("cut");
         assert_eq!(second, whole(&tok, &turn(21)));
         let new = p.stats().miss_tokens.load(Relaxed) - missed;
         let hit = p.stats().hit_tokens.load(Relaxed);
@@ -575,7 +660,7 @@ mod tests {
         let tok = metaspace("first");
         let p = Pieces::with_min_piece(&tok, 4096, 8).expect("pieces");
         for text in texts(3, 300) {
-            if let Some(got) = p.encode(&tok, &text).expect("encodes") {
+            if let Some(got) = p.encode(&tok, &text, false).expect("encodes") {
                 assert_eq!(got, whole(&tok, &text));
             }
         }
@@ -604,13 +689,19 @@ mod tests {
         let tok = metaspace("first");
         let p = Pieces::with_min_piece(&tok, 1 << 20, 4).expect("pieces");
         let text = "the cat<|im_start|>hello the cat<|im_end|>cat cat";
-        assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
+        assert_eq!(
+            p.encode(&tok, text, false).expect("ok"),
+            Some(whole(&tok, text))
+        );
         corrupt_first_piece(&p);
-        assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
+        assert_eq!(
+            p.encode(&tok, text, false).expect("ok"),
+            Some(whole(&tok, text))
+        );
         assert_eq!(p.stats().mismatches.load(Relaxed), 1);
         assert!(p.is_off());
         assert_eq!(
-            p.encode(&tok, text).expect("ok"),
+            p.encode(&tok, text, false).expect("ok"),
             None,
             "off: whole from now on"
         );
@@ -638,13 +729,16 @@ mod tests {
         let text = "the cat<|im_start|>hello the cat<|im_end|>cat cat";
         // Up to the first prompt sampled after the ones checked inline.
         for _ in 0..VERIFY_EVERY {
-            assert_eq!(p.encode(&tok, text).expect("ok"), Some(whole(&tok, text)));
+            assert_eq!(
+                p.encode(&tok, text, false).expect("ok"),
+                Some(whole(&tok, text))
+            );
         }
         assert_eq!(p.stats().verified.load(Relaxed), VERIFY_FIRST);
         corrupt_first_piece(&p);
         // This one is answered from pieces (wrong, as a broken tokenizer's would be) and
         // compared on the checker thread, which turns pieces off for what follows.
-        let wrong = p.encode(&tok, text).expect("ok").expect("pieces");
+        let wrong = p.encode(&tok, text, false).expect("ok").expect("pieces");
         assert_ne!(wrong, whole(&tok, text));
         let t = std::time::Instant::now();
         while !p.is_off() {
@@ -655,6 +749,6 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert_eq!(p.stats().mismatches.load(Relaxed), 1);
-        assert_eq!(p.encode(&tok, text).expect("ok"), None);
+        assert_eq!(p.encode(&tok, text, false).expect("ok"), None);
     }
 }
