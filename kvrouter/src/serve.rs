@@ -294,8 +294,9 @@ pub(crate) struct ServeArgs {
     /// (those over 512 bytes only while inline encoding is not busy).
     #[arg(long, env = "KVROUTER_INLINE_TOKENIZE_BYTES")]
     inline_tokenize_bytes: Option<usize>,
-    /// MiB of prompt pieces each model card keeps encoded (0: encode every prompt whole).
-    /// A session's next turn then encodes only its new messages.
+    /// MiB of prompt pieces kept encoded, in all, split evenly between the distinct model
+    /// cards (0: encode every prompt whole). A session's next turn then encodes only its
+    /// new messages.
     #[arg(long, env = "KVROUTER_TOKENIZE_CACHE_MIB")]
     tokenize_cache_mib: Option<usize>,
     /// Session affinity: a header naming the session, besides `X-Dynamo-Session-ID`.

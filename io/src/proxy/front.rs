@@ -125,12 +125,20 @@ impl Front {
     ) -> Result<Self, ProxyError> {
         let mut models = Vec::new();
         let mut cards: HashMap<std::path::PathBuf, Arc<ModelCard>> = HashMap::new();
+        // The piece caches share one budget: each distinct card gets its part.
+        let distinct = cfg
+            .models
+            .iter()
+            .map(|m| &m.dir)
+            .collect::<std::collections::HashSet<_>>()
+            .len();
+        let piece_cache_bytes = cfg.piece_cache_bytes / distinct.max(1);
         for m in &cfg.models {
             let card = match cards.get(&m.dir) {
                 Some(c) => Arc::clone(c),
                 None => {
                     let card =
-                        ModelCard::load_with(&m.dir, cfg.piece_cache_bytes).map_err(|source| {
+                        ModelCard::load_with(&m.dir, piece_cache_bytes).map_err(|source| {
                             ProxyError::Model {
                                 name: m.name.clone(),
                                 dir: m.dir.clone(),

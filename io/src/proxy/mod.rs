@@ -147,8 +147,9 @@ pub struct ProxyConfig {
     /// shorter than a hand-off between threads (2,048); those over 512 bytes only while
     /// inline encoding has taken under 30 % of the executor's recent time.
     pub inline_tokenize_bytes: usize,
-    /// Bytes of prompt pieces each model card keeps encoded ([`pieces`]; 0: every prompt
-    /// encoded whole) ([`model::DEFAULT_PIECE_CACHE_BYTES`]).
+    /// Bytes of prompt pieces kept encoded ([`pieces`]; 0: every prompt encoded whole), in
+    /// all: each distinct model card gets an equal part
+    /// ([`model::DEFAULT_PIECE_CACHE_BYTES`]).
     pub piece_cache_bytes: usize,
 }
 

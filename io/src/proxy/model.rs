@@ -94,8 +94,9 @@ pub struct ModelCard {
     pieces: Option<Pieces>,
 }
 
-/// Bytes of prompt pieces a card keeps by default (128 MiB: the text and ids of about 16 M
-/// tokens, some 130 agentic sessions of 126 k tokens).
+/// Bytes of prompt pieces kept by default (128 MiB, the front's budget in all and a card's
+/// when loaded alone: the text and ids of about 16 M tokens, some 130 agentic sessions of
+/// 126 k tokens).
 pub const DEFAULT_PIECE_CACHE_BYTES: usize = 128 << 20;
 
 impl std::fmt::Debug for ModelCard {
