@@ -82,11 +82,19 @@ fn session_turns(dir: &std::path::Path) -> anyhow::Result<()> {
         }
         whole.sort_unstable();
         pieces.sort_unstable();
+        // The cache after one turn: bytes held per token of that turn.
+        let card = ModelCard::load(dir)?;
+        card.encode(&before, false)?;
+        let held = card
+            .piece_stats()
+            .map_or(0, |s| s.bytes.load(std::sync::atomic::Ordering::Relaxed));
+        let before_tokens = card.encode_whole(&before, false)?.len();
         println!(
-            "next turn of {} messages, {n} tokens: whole {:.0} us, in pieces {:.0} us",
+            "next turn of {} messages, {n} tokens: whole {:.0} us, in pieces {:.0} us; cache {:.1} bytes per token of the turn before",
             turns + 1,
             whole[3] as f64 / 1e3,
-            pieces[3] as f64 / 1e3
+            pieces[3] as f64 / 1e3,
+            held as f64 / before_tokens.max(1) as f64
         );
     }
     Ok(())
