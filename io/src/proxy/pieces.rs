@@ -37,8 +37,8 @@
 //! is compared the same way on a thread of the card's own, so that the check never delays a
 //! request (a whole encoding on the front's executor would stall every stream it relays: it
 //! showed in the added p99); a difference found there turns pieces off for the prompts that
-//! follow. Samples that find the checker busy are skipped and counted. Cached pieces are found by a
-//! hash under a per-process random key and confirmed by comparing their text.
+//! follow. Samples that find the checker busy are skipped and counted. Cached pieces are
+//! found by a hash under a per-process random key and confirmed by comparing their text.
 //!
 //! **Memory.** Bounded by `capacity` bytes (the text and the ids of each piece), least
 //! recently used first out. One lock guards the cache; it is held for a lookup or an insert,
@@ -183,6 +183,7 @@ impl Pieces {
         Self::with_min_piece(tok, capacity, MIN_PIECE_BYTES)
     }
 
+    /// [`Self::new`] with pieces of at least `min_piece` bytes (the tests cut small texts).
     pub(crate) fn with_min_piece(
         tok: &Arc<Tokenizer>,
         capacity: usize,
