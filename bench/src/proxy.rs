@@ -323,7 +323,7 @@ fn request_bodies(words: usize, question_words: usize) -> Vec<(Vec<u8>, Vec<u8>)
 
 /// Runs every phase at every rate: direct, through kvrouter, and (with a venv) Dynamo.
 pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
-    let body = Arc::new(request_bodies(cfg.prompt_words, cfg.question_words));
+    let bodies = Arc::new(request_bodies(cfg.prompt_words, cfg.question_words));
     let stop = Arc::new(AtomicBool::new(false));
     let engine = mock_engine(Arc::clone(&stop))?;
     let openai = format!("127.0.0.1:{}", free_port()?);
@@ -361,16 +361,16 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
     };
     let mut out = Vec::new();
     for &rate in &cfg.rates {
-        let direct = load(&engine, rate, cfg.seconds, cfg.connections, &body)?;
+        let direct = load(&engine, rate, cfg.seconds, cfg.connections, &bodies)?;
         out.push(phase("direct", rate, direct, None));
         let c0 = cpu_s(kv.0.id());
-        let r = load(&openai, rate, cfg.seconds, cfg.connections, &body)?;
+        let r = load(&openai, rate, cfg.seconds, cfg.connections, &bodies)?;
         // The warm-up second is in the CPU time too: scale to the measured window.
         let c = cpu_s(kv.0.id()) - c0;
         out.push(phase("kvrouter", rate, r, Some(c)));
         if let Some(d) = &dynamo {
             let c0 = cpu_s(d.frontend.0.id());
-            let r = load(&d.addr, rate, cfg.seconds, cfg.connections, &body)?;
+            let r = load(&d.addr, rate, cfg.seconds, cfg.connections, &bodies)?;
             let c = cpu_s(d.frontend.0.id()) - c0;
             out.push(phase("dynamo", rate, r, Some(c)));
         }

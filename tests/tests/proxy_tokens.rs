@@ -278,10 +278,16 @@ mod any_text {
         fn pieces_equal_the_whole_encoding(parts in prop::collection::vec(0..FRAGMENTS.len(), 60..400)) {
             let text: String = parts.iter().map(|&i| FRAGMENTS[i]).collect();
             let card = card();
+            let s = card.piece_stats().expect("pieces");
+            let before = s.prompts.load(Relaxed);
             for special in [false, true] {
                 let whole = card.encode_whole(&text, special).expect("encodes");
                 prop_assert_eq!(card.encode(&text, special).expect("encodes"), whole);
             }
+            // A text of 512 bytes or more with a cut token past its first 256 was cut.
+            let cuttable = text.len() >= 512
+                && text.get(256..).is_some_and(|t| t.contains("<|eot_id|>"));
+            prop_assert!(!cuttable || s.prompts.load(Relaxed) > before, "not cut: {text:?}");
             prop_assert!(!card.pieces_off(), "a prompt's pieces differed from its whole");
         }
     }

@@ -336,11 +336,10 @@ impl ModelCard {
 
     /// Encodes text: in pieces where it can ([`super::pieces`]), whole otherwise.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
-        let err = |e: tokenizers::Error| PromptError::Tokenize(e.to_string());
         if let Some(p) = &self.pieces
             && let Some(ids) = p
                 .encode(&self.tokenizer, text, add_special_tokens)
-                .map_err(err)?
+                .map_err(tokenize_error)?
         {
             return Ok(ids);
         }
@@ -356,7 +355,7 @@ impl ModelCard {
         self.tokenizer
             .encode_fast(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| PromptError::Tokenize(e.to_string()))
+            .map_err(tokenize_error)
     }
 
     /// What the piece cache did (none: this card encodes every prompt whole).
@@ -368,6 +367,10 @@ impl ModelCard {
     pub fn pieces_off(&self) -> bool {
         self.pieces.as_ref().is_some_and(Pieces::is_off)
     }
+}
+
+fn tokenize_error(e: tokenizers::Error) -> PromptError {
+    PromptError::Tokenize(e.to_string())
 }
 
 /// A template error with its cause chain (minijinja keeps the detail in sources).

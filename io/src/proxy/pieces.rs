@@ -73,7 +73,7 @@ const ENTRY_OVERHEAD: usize = 96;
 pub struct PieceStats {
     /// Prompts encoded in pieces.
     pub prompts: AtomicU64,
-    /// Pieces found in the cache, and their tokens.
+    /// Pieces found in the cache.
     pub hits: AtomicU64,
     /// Tokens of the pieces found in the cache.
     pub hit_tokens: AtomicU64,
@@ -112,7 +112,9 @@ struct Cache {
     bytes: usize,
 }
 
-/// What the request path and the checker thread share.
+/// What the request path and the checker thread share. Every access is `Relaxed`: `off` is
+/// a flag that publishes no other data (a prompt racing with its switch may still be
+/// encoded in pieces once), and the counters are only summed for `/metrics`.
 #[derive(Debug, Default)]
 struct Shared {
     off: AtomicBool,
