@@ -24,6 +24,7 @@
 //!
 //! Pure and clock-free: times are arguments, the generator is seeded.
 
+use crate::chain::SequenceChain;
 use crate::codec::replica::{ActiveSequenceEvent, ActiveSequenceEventData};
 use crate::hash::LocalBlockHash;
 use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TierScores, TreeReader};
@@ -446,15 +447,18 @@ impl Decider {
 
     /// Routes one request among `workers` (sorted, distinct): looks it up, scores and picks
     /// a worker, and makes the request active there. `blocks` are the request's sequence
-    /// hashes (distinct), which the slot manager keeps until the request is freed.
+    /// hashes (distinct; usually [`SequenceChain::new`] of `route.locals`, computed only as
+    /// far as the slot manager needs them), which the slot manager keeps until the request
+    /// is freed.
     pub fn decide(
         &mut self,
         index: Option<&dyn Lookup>,
         workers: &[WorkerDp],
         route: Route<'_>,
-        blocks: Vec<u64>,
+        blocks: SequenceChain<'_>,
         now_ms: u64,
     ) -> Result<Decision, DecideError> {
+        let mut blocks = blocks;
         let limits = self.cfg.limits;
         self.check_blocks(route.locals.len())?;
         if let Some(id) = route.request_id {
@@ -490,12 +494,14 @@ impl Decider {
             return Err(DecideError::NoWorkers);
         }
         self.look_up(index, route.locals, now_ms);
-        self.look_up_tiers(index, route.locals, Some(&blocks));
+        // Lower tiers are found by path hashes: then the whole chain is needed.
+        let tiered = self.approx.is_none() && index.is_some_and(|i| i.has_lower_tiers());
+        self.look_up_tiers(index, route.locals, tiered.then(|| blocks.full()));
         let mut scored = None;
         let mut credited_tokens = 0;
         let position = match self.cfg.selection {
             Selection::Cost => {
-                let mut candidates = self.slots.candidates(workers, &blocks, &self.overlaps);
+                let mut candidates = self.slots.candidates(workers, &mut blocks, &self.overlaps);
                 if !self.tiers.is_empty() {
                     for c in &mut candidates {
                         self.tiers.fill(c);
@@ -556,7 +562,7 @@ impl Decider {
             }
         };
         self.slots
-            .add(&request_id, worker, blocks, prefill_tokens, now_ms)?;
+            .add_chain(&request_id, worker, blocks, prefill_tokens, now_ms)?;
         if let Some(p) = &mut self.prefill {
             let new = route.tokens.saturating_sub(credited_tokens);
             p.start(&request_id, worker, (new, credited_tokens), now_ms, true);
@@ -690,8 +696,8 @@ mod tests {
         v.iter().copied().map(LocalBlockHash).collect()
     }
 
-    fn seqs(l: &[LocalBlockHash]) -> Vec<u64> {
-        sequence_hashes(l).into_iter().map(|s| s.0).collect()
+    fn seqs(l: &[LocalBlockHash]) -> SequenceChain<'_> {
+        SequenceChain::new(l)
     }
 
     /// An index where worker 2 holds the first three blocks of `[1, 2, 3, 4]`.

@@ -30,6 +30,7 @@
 //! unchanged under loom, proptest, cargo-fuzz and miri. Sockets, files and executors live in
 //! `kvrouter-io`.
 
+pub mod chain;
 pub mod codec;
 pub mod decision;
 pub mod engine;

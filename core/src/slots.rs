@@ -31,6 +31,20 @@
 //! under two parents) keeps the trie consistent, and every pin is undone on release, but its
 //! counts are not exact: the walk's probes assume chains.
 //!
+//! **Hashing only what no run knows.** A decision's prompt arrives as local hashes; its
+//! sequence hashes cost about 4.5 ns a block, each waiting on the one before, and a busy
+//! worker's walk would need them all the way along what it holds. So a run also keeps the
+//! local hashes its blocks were chained from, when the prompt that brought them had them (a
+//! decision's does; a replica's, sequence hashes only, does not). The walk then compares
+//! local hashes along such a run and *learns* the prompt's sequence hash at the point where
+//! they part (or at the run's end) from the run, instead of computing the chain up to it
+//! ([`SequenceChain`]); it hashes one block to probe each next run, and hashes stretches
+//! only along runs without local hashes. The insert hashes only what the chosen worker does
+//! not hold. On the agentic dev log with 512 requests kept active, a decision computes 7.4 %
+//! of its prompts' sequence hashes (docs/BENCHMARKS.md, "Hashing only what no run knows").
+//! The local hashes double a held block's memory (16 bytes instead of 8); the block budget
+//! bounds both.
+//!
 //! A worker whose last request is released keeps its (empty) run table, so that a worker
 //! that goes idle between requests does not allocate and free one per request; the table
 //! goes when the worker is removed, and its memory when it grew past [`KEEP_IDLE_RUNS`]
@@ -48,7 +62,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use smallvec::SmallVec;
 
-use crate::hash::MixBuildHasher;
+use crate::chain::SequenceChain;
+use crate::hash::{LocalBlockHash, MixBuildHasher};
 use crate::index::OverlapScores;
 use crate::policy::Candidate;
 use crate::worker::WorkerDp;
@@ -96,6 +111,9 @@ const NO_RUN: u32 = u32::MAX;
 struct Run {
     /// Its blocks, in chain order.
     blocks: Vec<u64>,
+    /// The local hashes its blocks were chained from, one per block, when the prompts that
+    /// brought them came with them (a decision's do, a replica's do not: then empty).
+    locals: Vec<u64>,
     /// The run it continues ([`NO_RUN`] for a root).
     parent: u32,
     /// The runs that continue it.
@@ -113,6 +131,9 @@ struct Run {
 /// * `edges[(p, b)] == c` exactly when `c` is a live run whose parent is `p` and whose first
 ///   block is `b`; children of one run start with distinct blocks;
 /// * `blocks` is the sum of the live runs' lengths;
+/// * a run's `locals` is empty or as long as its `blocks`, and then `blocks[i]` is the
+///   sequence hash of its parent chain continued by `locals[..=i]` (so a prompt that agrees
+///   with the run on local hashes agrees on sequence hashes);
 /// * a pin handed out by [`Self::hold`] names a live run until [`Self::release`] takes it:
 ///   a split keeps the id on the part that ends where the run ended, and a merge keeps
 ///   the child's.
@@ -143,26 +164,40 @@ impl HeldRuns {
         self.blocks == 0
     }
 
-    /// The longest prefix of `blocks` the trie holds, and where it ends: one map probe per
-    /// run entered, then [`matched`] along it.
-    fn find(&self, blocks: &[u64]) -> Found {
+    /// The longest prefix of the prompt the trie holds, and where it ends: one map probe
+    /// per run entered (one sequence hash, at the run's first block), then the run's local
+    /// hashes compared with the prompt's where both have them (the run's sequence hash is
+    /// then learnt, not computed), else [`matched`] on sequence hashes.
+    fn find(&self, p: &mut SequenceChain<'_>) -> Found {
         let mut f = Found {
             held: 0,
             run: NO_RUN,
             within: 0,
         };
-        while let Some(&next) = blocks.get(f.held) {
+        while f.held < p.len() {
+            let next = p.get(f.held);
             let Some(&c) = self.edges.get(&(f.run, next)) else {
                 break;
             };
-            let run = &self.runs[c as usize].blocks;
-            let m = matched(run, &blocks[f.held..]);
+            let run = &self.runs[c as usize];
+            let m = match p.locals() {
+                Some(locals) if !run.locals.is_empty() => {
+                    // Block 0 agrees (its sequence hash led the walk here).
+                    let m = common_prefix(&run.locals, &locals[f.held..]).max(1);
+                    p.learn(f.held + m - 1, run.blocks[m - 1]);
+                    m
+                }
+                _ => {
+                    let n = run.blocks.len().min(p.len() - f.held);
+                    matched(&run.blocks, p.range(f.held, f.held + n))
+                }
+            };
             f = Found {
                 held: f.held + m,
                 run: c,
                 within: m,
             };
-            if m < run.len() {
+            if m < run.blocks.len() {
                 break;
             }
         }
@@ -170,25 +205,32 @@ impl HeldRuns {
     }
 
     /// Holds a prompt's blocks and pins its last one; returns the pin (`None` for an empty
-    /// prompt). A prompt that shares nothing moves its vector into the trie as one run.
-    fn hold(&mut self, blocks: Vec<u64>) -> Option<u32> {
-        if blocks.is_empty() {
+    /// prompt). Only the blocks past what the trie holds are hashed; a prompt that shares
+    /// nothing moves its vector into the trie as one run.
+    fn hold(&mut self, p: SequenceChain<'_>) -> Option<u32> {
+        if p.is_empty() {
             return None;
         }
-        let f = self.find(&blocks);
+        let mut p = p;
+        let f = self.find(&mut p);
         let mut at = f.run;
         if at != NO_RUN && f.within < self.runs[at as usize].blocks.len() {
             at = self.split(at, f.within);
         }
-        let pin = if f.held == blocks.len() {
+        let pin = if f.held == p.len() {
             at
         } else {
+            let locals = p
+                .locals()
+                .map(|l| l[f.held..].iter().map(|h| h.0).collect())
+                .unwrap_or_default();
             let rest = if f.held == 0 {
-                blocks
+                p.into_vec()
             } else {
-                blocks[f.held..].to_vec()
+                let n = p.len();
+                p.range(f.held, n).to_vec()
             };
-            self.attach(at, rest)
+            self.attach(at, rest, locals)
         };
         self.runs[pin as usize].pins += 1;
         Some(pin)
@@ -224,18 +266,19 @@ impl HeldRuns {
     /// so its pins and children); the head gets a new one, which is returned.
     fn split(&mut self, run: u32, k: usize) -> u32 {
         let tail = &mut self.runs[run as usize];
-        // The larger part keeps the vector, the smaller is copied out: no part keeps more
-        // than twice its length (a short prefix of a huge prompt must not pin its memory).
-        let mut head_blocks = if 2 * k <= tail.blocks.len() {
-            let head = tail.blocks[..k].to_vec();
-            tail.blocks.drain(..k);
-            head
+        let mut head_blocks = split_vec(&mut tail.blocks, k);
+        let mut head_locals = if tail.locals.is_empty() {
+            Vec::new()
         } else {
-            let rest = tail.blocks.split_off(k);
-            std::mem::replace(&mut tail.blocks, rest)
+            split_vec(&mut tail.locals, k)
         };
         // Repeated splits of one run must not add up either.
-        for v in [&mut tail.blocks, &mut head_blocks] {
+        for v in [
+            &mut tail.blocks,
+            &mut head_blocks,
+            &mut tail.locals,
+            &mut head_locals,
+        ] {
             if v.capacity() > 2 * v.len() {
                 v.shrink_to_fit();
             }
@@ -244,6 +287,7 @@ impl HeldRuns {
         let head_first = head_blocks[0];
         let head = self.alloc(Run {
             blocks: head_blocks,
+            locals: head_locals,
             parent,
             children: smallvec::smallvec![run],
             pins: 0,
@@ -255,11 +299,13 @@ impl HeldRuns {
     }
 
     /// A new run of `blocks` under `parent`.
-    fn attach(&mut self, parent: u32, blocks: Vec<u64>) -> u32 {
+    fn attach(&mut self, parent: u32, blocks: Vec<u64>, locals: Vec<u64>) -> u32 {
+        debug_assert!(locals.is_empty() || locals.len() == blocks.len());
         let first = blocks[0];
         self.blocks += blocks.len() as u64;
         let id = self.alloc(Run {
             blocks,
+            locals,
             parent,
             children: SmallVec::new(),
             pins: 0,
@@ -282,6 +328,15 @@ impl HeldRuns {
         blocks.extend_from_slice(&child.blocks);
         let first = blocks[0];
         child.blocks = blocks;
+        // The merged run knows its local hashes only where both parts did.
+        if r.locals.is_empty() || child.locals.is_empty() {
+            child.locals = Vec::new();
+        } else {
+            let mut locals = r.locals;
+            locals.reserve_exact(child.locals.len());
+            locals.extend_from_slice(&child.locals);
+            child.locals = locals;
+        }
         child.parent = r.parent;
         self.replace_child(r.parent, first, run, c);
         self.kill(run);
@@ -350,6 +405,22 @@ impl HeldRuns {
                 continue;
             }
             assert!(!r.blocks.is_empty(), "run {id} is empty");
+            if !r.locals.is_empty() {
+                // The sequence hashes are the chain of the local hashes.
+                assert_eq!(r.locals.len(), r.blocks.len());
+                let mut parent = match r.parent {
+                    NO_RUN => None,
+                    p => self.runs[p as usize].blocks.last().copied(),
+                };
+                for (&b, &l) in r.blocks.iter().zip(&r.locals) {
+                    let want = match parent {
+                        None => l,
+                        Some(p) => crate::hash::next_sequence_hash(p.into(), l.into()).0,
+                    };
+                    assert_eq!(b, want, "run {id}'s locals are not its chain");
+                    parent = Some(b);
+                }
+            }
             assert!(
                 r.pins > 0 || r.children.len() >= 2,
                 "run {id} is not kept: {r:?}"
@@ -372,6 +443,37 @@ impl HeldRuns {
         assert_eq!(edges, self.edges.len());
         assert_eq!(blocks, self.blocks);
     }
+}
+
+/// Splits `v` after its first `k` elements and returns the head, `v` keeping the tail. The
+/// larger part keeps the vector, the smaller is copied out: no part keeps more than twice
+/// its length (a short prefix of a huge prompt must not pin its memory).
+fn split_vec(v: &mut Vec<u64>, k: usize) -> Vec<u64> {
+    if 2 * k <= v.len() {
+        let head = v[..k].to_vec();
+        v.drain(..k);
+        head
+    } else {
+        let rest = v.split_off(k);
+        std::mem::replace(v, rest)
+    }
+}
+
+/// How many leading local hashes a run and a prompt share: compared a chunk at a time
+/// (memory order, no early branch per block), then within the chunk that differs.
+fn common_prefix(run: &[u64], prompt: &[LocalBlockHash]) -> usize {
+    const CHUNK: usize = 16;
+    let n = run.len().min(prompt.len());
+    let (run, prompt) = (&run[..n], &prompt[..n]);
+    let mut at = 0;
+    for (a, b) in run.chunks(CHUNK).zip(prompt.chunks(CHUNK)) {
+        if a.iter().zip(b).fold(true, |eq, (x, y)| eq & (*x == y.0)) {
+            at += a.len();
+        } else {
+            return at + a.iter().zip(b).take_while(|(x, y)| **x == y.0).count();
+        }
+    }
+    at
 }
 
 /// How many of `run`'s blocks `rest` (whose first block is the run's first) continues
@@ -524,12 +626,28 @@ impl Slots {
         prefill_tokens: u64,
         now_ms: u64,
     ) -> Result<(), SlotError> {
+        let chain = SequenceChain::given(None, blocks);
+        self.add_chain(request_id, worker, chain, prefill_tokens, now_ms)
+    }
+
+    /// [`Self::add`] for a prompt whose sequence hashes are computed on demand: only the
+    /// blocks past what `worker` already holds are hashed, and they are held with their
+    /// local hashes (so later prompts compare local hashes there, see
+    /// [`Self::candidates`]).
+    pub fn add_chain(
+        &mut self,
+        request_id: &str,
+        worker: WorkerDp,
+        blocks: SequenceChain<'_>,
+        prefill_tokens: u64,
+        now_ms: u64,
+    ) -> Result<(), SlotError> {
         if self.requests.contains_key(request_id) {
             return Err(SlotError::DuplicateRequest(request_id.into()));
         }
         let blocks = if blocks.len() as u64 > self.block_budget {
             self.shed_requests += 1;
-            Vec::new()
+            SequenceChain::given(None, Vec::new())
         } else {
             self.shed_to(blocks.len() as u64);
             blocks
@@ -664,32 +782,27 @@ impl Slots {
     /// The worker's active blocks if a request with `blocks` were added to it.
     /// `blocks` is a prompt's chain of sequence hashes.
     pub fn potential_blocks(&self, worker: WorkerDp, blocks: &[u64]) -> u64 {
+        let mut chain = SequenceChain::given(None, blocks.to_vec());
         match self.workers.get(&worker) {
-            Some(w) => w.held.blocks + (blocks.len() - w.held.find(blocks).held) as u64,
+            Some(w) => w.held.blocks + (blocks.len() - w.held.find(&mut chain).held) as u64,
             None => blocks.len() as u64,
         }
     }
 
     /// The cost function's view of each of `workers` for a request whose sequence hashes
-    /// are `blocks` (distinct, as the sequence hashes of one prompt are): loads and potential
-    /// decode blocks from here, device overlaps from `overlaps`.
+    /// `blocks` gives (distinct, as the sequence hashes of one prompt are): loads and
+    /// potential decode blocks from here, device overlaps from `overlaps`. Busy workers
+    /// walk the prompt along what they hold; the chain hashes only where a walk needs a
+    /// hash it cannot learn from a held run (module docs, "Counting by run").
     pub fn candidates(
         &self,
         workers: &[WorkerDp],
-        blocks: &[u64],
+        blocks: &mut SequenceChain<'_>,
         overlaps: &OverlapScores,
     ) -> Vec<Candidate> {
         // [`Self::potential_blocks`] for every worker at once. A request's sequence hashes
         // are distinct (each names a different prefix), so no deduplication is needed: busy
         // workers search the prefix they hold, idle ones add them all.
-        debug_assert!(
-            {
-                let mut b = blocks.to_vec();
-                b.sort_unstable();
-                b.windows(2).all(|p| p[0] != p[1])
-            },
-            "sequence hashes of one request repeat"
-        );
         let n = blocks.len() as u64;
         // Per busy worker: (potential blocks, the prefix its active requests hold).
         let busy: Map<WorkerDp, (u64, u32)> = self
@@ -747,11 +860,21 @@ mod tests {
 
     const A: WorkerDp = WorkerDp::new(1, 0);
 
+    fn given(blocks: &[u64]) -> SequenceChain<'static> {
+        SequenceChain::given(None, blocks.to_vec())
+    }
+
     #[derive(Debug, Clone)]
     enum SlotOp {
         /// A request on worker `w` whose prompt is `path` (as a chain, or as the raw
-        /// symbols, which is no chain).
-        Add { w: u8, path: Vec<u8>, chain: bool },
+        /// symbols, which is no chain); a chain comes with its local hashes (a decision's
+        /// prompt, hashed on demand) or without (a replica's).
+        Add {
+            w: u8,
+            path: Vec<u8>,
+            chain: bool,
+            locals: bool,
+        },
         /// Frees the `i`-th active request (modulo their number).
         Free { i: usize },
         /// Expires every request older than `age`.
@@ -760,8 +883,13 @@ mod tests {
 
     fn slot_op() -> impl Strategy<Value = SlotOp> {
         prop_oneof![
-            6 => (0..3u8, proptest::collection::vec(0..3u8, 0..10), proptest::bool::weighted(0.85))
-                .prop_map(|(w, path, chain)| SlotOp::Add { w, path, chain }),
+            6 => (
+                0..3u8,
+                proptest::collection::vec(0..3u8, 0..10),
+                proptest::bool::weighted(0.85),
+                any::<bool>(),
+            )
+                .prop_map(|(w, path, chain, locals)| SlotOp::Add { w, path, chain, locals }),
             4 => any::<usize>().prop_map(|i| SlotOp::Free { i }),
             1 => (0..20u64).prop_map(|age| SlotOp::Expire { age }),
         ]
@@ -777,14 +905,14 @@ mod tests {
                 .map(|(i, &s)| 1000 + (i as u64 % 3) * 10 + s as u64)
                 .collect();
         }
-        let l: Vec<crate::hash::LocalBlockHash> = path
-            .iter()
-            .map(|&s| crate::hash::LocalBlockHash(s as u64 + 1))
-            .collect();
-        crate::hash::sequence_hashes(&l)
+        crate::hash::sequence_hashes(&symbols(path))
             .into_iter()
             .map(|h| h.0)
             .collect()
+    }
+
+    fn symbols(path: &[u8]) -> Vec<LocalBlockHash> {
+        path.iter().map(|&s| LocalBlockHash(s as u64 + 1)).collect()
     }
 
     proptest! {
@@ -806,7 +934,7 @@ mod tests {
             for (now, op) in ops.iter().enumerate() {
                 let now = now as u64;
                 match op {
-                    SlotOp::Add { w, path, chain } => {
+                    SlotOp::Add { w, path, chain, locals } => {
                         let id = format!("r{now}");
                         let worker = WorkerDp::new(*w as u64 + 1, 0);
                         let blocks = hashes(path, *chain);
@@ -817,7 +945,30 @@ mod tests {
                             continue;
                         }
                         all_chains &= *chain;
-                        s.add(&id, worker, blocks.clone(), 10, now).unwrap();
+                        let l = symbols(path);
+                        if all_chains {
+                            // A walk on a chain hashed on demand finds, on every worker,
+                            // exactly the prefix the worker's live requests hold.
+                            let mut c = SequenceChain::new(&l);
+                            let workers = [1, 2, 3].map(|w| WorkerDp::new(w, 0));
+                            let cands = s.candidates(&workers, &mut c, &OverlapScores::new());
+                            for cand in cands {
+                                let union: std::collections::HashSet<u64> = live
+                                    .iter()
+                                    .filter(|r| r.1 == cand.worker)
+                                    .filter(|r| s.requests.get(&r.0).is_some_and(|a| a.held > 0))
+                                    .flat_map(|r| r.2.iter().copied())
+                                    .collect();
+                                let prefix = blocks.iter().take_while(|b| union.contains(b)).count();
+                                prop_assert_eq!(cand.inflight_overlap_blocks as usize, prefix);
+                            }
+                            prop_assert!(c.hashed() <= blocks.len());
+                        }
+                        if *chain && *locals {
+                            s.add_chain(&id, worker, SequenceChain::new(&l), 10, now).unwrap();
+                        } else {
+                            s.add(&id, worker, blocks.clone(), 10, now).unwrap();
+                        }
                         live.push((id, worker, blocks, *chain, now));
                     }
                     SlotOp::Free { i } => {
@@ -873,7 +1024,7 @@ mod tests {
         let mut overlaps = OverlapScores::new();
         overlaps.push(b, 2);
         overlaps.finish();
-        let c = s.candidates(&[A, b], &[1, 2, 7], &overlaps);
+        let c = s.candidates(&[A, b], &mut given(&[1, 2, 7]), &overlaps);
         assert_eq!(c.len(), 2);
         assert_eq!(
             (
@@ -1023,7 +1174,7 @@ mod tests {
         assert_eq!(s.potential_blocks(A, &[1, 5, 6]), 6);
         // `candidates` counts the same, for every worker at once.
         let idle = WorkerDp::new(9, 0);
-        let c = s.candidates(&[A, idle], &[1, 5, 6], &OverlapScores::new());
+        let c = s.candidates(&[A, idle], &mut given(&[1, 5, 6]), &OverlapScores::new());
         let potential: Vec<u64> = c.iter().map(|c| c.potential_decode_blocks).collect();
         assert_eq!(potential, [6, 3]);
         assert_eq!(potential[0], s.potential_blocks(A, &[1, 5, 6]));
@@ -1048,7 +1199,7 @@ mod tests {
         assert_eq!(s.workers().count(), 0);
         // The idle worker keeps its empty map but counts as idle everywhere, and takes
         // requests again.
-        let c = s.candidates(&[A], &[1, 2], &OverlapScores::new());
+        let c = s.candidates(&[A], &mut given(&[1, 2]), &OverlapScores::new());
         assert_eq!(
             (c[0].active_decode_blocks, c[0].potential_decode_blocks),
             (0, 2)

@@ -6,6 +6,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::rc::Rc;
 
+use kvrouter_core::chain::SequenceChain;
 use kvrouter_core::decision::{Decider, DeciderConfig, Limits, Route, Selection};
 use kvrouter_core::hash::{LocalBlockHash, SequenceBlockHash, sequence_hashes};
 use kvrouter_core::index::{ApproxConfig, Index, OverlapScores, TreeIndex};
@@ -266,7 +267,7 @@ impl Router {
             Some(&self.index),
             &self.workers,
             route,
-            seqs.to_vec(),
+            SequenceChain::given(Some(locals), seqs.to_vec()),
             now_ms,
         );
         // Ids are the trace's line numbers and workers are never empty: it always decides.

@@ -5,11 +5,12 @@
 use std::rc::Rc;
 use std::time::Instant;
 
+use kvrouter_core::chain::SequenceChain;
 use kvrouter_core::codec::replica::{
     ActiveSequenceEvent, ActiveSequenceEventData, PrefillLoadHint,
 };
 use kvrouter_core::decision::{DecideError, Decider, Decision, Lookup, Route};
-use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes, sequence_hashes};
+use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes};
 use kvrouter_core::slots::SlotError;
 use kvrouter_core::worker::WorkerDp;
 use serde::Serialize;
@@ -445,12 +446,10 @@ impl State {
 /// The routing state as every front sees it (the proxy through `dyn Routing`).
 impl Routing for State {
     fn decide(&mut self, ask: Ask<'_>, workers: &[WorkerDp]) -> Result<Decision, DecideError> {
-        let seqs: Vec<u64> = sequence_hashes(ask.locals)
-            .into_iter()
-            .map(|s| s.0)
-            .collect();
-        // The replicas need their own copy of the blocks; without replica sync, no copy.
-        let replicated = self.replica_tx.is_some().then(|| seqs.clone());
+        // Sequence hashes are computed as far as the decision needs them, except that the
+        // replicas need them all (they exchange sequence hashes, as Dynamo's routers do).
+        let mut seqs = SequenceChain::new(ask.locals);
+        let replicated = self.replica_tx.is_some().then(|| seqs.full().to_vec());
         let now = self.now_ms();
         let route = Route {
             locals: ask.locals,
