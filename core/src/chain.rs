@@ -17,6 +17,8 @@
 //! it was taught is: the caller answers for that (a run's local and sequence hashes come
 //! from one prompt, `core/src/slots.rs`). Tests compare it against the eager chain.
 
+use std::borrow::Cow;
+
 use smallvec::SmallVec;
 
 use crate::hash::{LocalBlockHash, SequenceBlockHash, next_sequence_hash};
@@ -28,7 +30,7 @@ use crate::hash::{LocalBlockHash, SequenceBlockHash, next_sequence_hash};
 #[derive(Debug, Clone)]
 pub struct SequenceChain<'a> {
     /// The prompt's local hashes (`None`: only its sequence hashes are known, all of them).
-    locals: Option<&'a [LocalBlockHash]>,
+    locals: Option<Cow<'a, [LocalBlockHash]>>,
     /// Blocks in the prompt.
     len: usize,
     /// Known stretches, each its first position and its hashes: sorted, disjoint and
@@ -46,7 +48,7 @@ impl<'a> SequenceChain<'a> {
             known.push((0, vec![first.0]));
         }
         Self {
-            locals: Some(locals),
+            locals: Some(Cow::Borrowed(locals)),
             len: locals.len(),
             known,
             hashed: 0,
@@ -63,7 +65,7 @@ impl<'a> SequenceChain<'a> {
             known.push((0, seq));
         }
         Self {
-            locals,
+            locals: locals.map(Cow::Borrowed),
             len,
             known,
             hashed: 0,
@@ -81,8 +83,19 @@ impl<'a> SequenceChain<'a> {
     }
 
     /// The local hashes, when the chain has them.
-    pub fn locals(&self) -> Option<&'a [LocalBlockHash]> {
-        self.locals
+    pub fn locals(&self) -> Option<&[LocalBlockHash]> {
+        self.locals.as_deref()
+    }
+
+    /// The same chain, owning its local hashes (a copy, where they were borrowed), so that it
+    /// may outlive the request it came from.
+    pub fn into_owned(self) -> SequenceChain<'static> {
+        SequenceChain {
+            locals: self.locals.map(|l| Cow::Owned(l.into_owned())),
+            len: self.len,
+            known: self.known,
+            hashed: self.hashed,
+        }
     }
 
     /// Hashes computed so far.
@@ -160,7 +173,7 @@ impl<'a> SequenceChain<'a> {
     /// Hashes from the end of stretch `k` up to `end` (exclusive), which no other stretch
     /// starts before, and joins the next stretch if it now touches it.
     fn extend(&mut self, k: usize, end: usize) {
-        let Some(locals) = self.locals else {
+        let Some(locals) = self.locals.as_deref() else {
             debug_assert!(false, "a chain without locals is fully given");
             return;
         };

@@ -22,6 +22,12 @@
 //! selection looks the request up, so that its predicted prefill charge and the reported
 //! overlap are the cache's, whatever the selection did with them.
 //!
+//! A decision answers before its slot insert is complete: the request counts as active at
+//! once, and its blocks (whose sequence hashes may still need computing for the part its
+//! worker does not hold, `crate::chain`) are held when the front calls
+//! [`Decider::settle`] after sending the answer, or else before the decider's next
+//! operation. The hashing is the same; it leaves the answer's path, not the executor.
+//!
 //! Pure and clock-free: times are arguments, the generator is seeded.
 
 use crate::chain::SequenceChain;
@@ -320,6 +326,15 @@ pub struct Decider {
     tiers: TierScores,
     /// Learned prefill times and queues ([`Formula::Time`] only).
     prefill: Option<PrefillTimes>,
+    /// The last decision's blocks, held at [`Decider::settle`].
+    pending: Option<Pending>,
+}
+
+/// A decision's blocks, not yet held by the slot manager (see [`Decider::settle`]).
+#[derive(Debug)]
+struct Pending {
+    request_id: String,
+    blocks: SequenceChain<'static>,
 }
 
 impl Decider {
@@ -343,8 +358,26 @@ impl Decider {
             tiers: TierScores::new(),
             prefill: (cfg.cost.formula == Formula::Time && cfg.selection == Selection::Cost)
                 .then(|| PrefillTimes::new(cfg.cost.prior)),
+            pending: None,
             cfg,
         }
+    }
+
+    /// Holds the last decision's blocks in the slot manager, hashing what its worker does
+    /// not hold yet. A decision answers first: its request counts as active (with its
+    /// prefill tokens) at once, and its blocks are held here, which a front calls once it
+    /// has sent the answer; every other operation of the decider settles first, so no
+    /// decision ever sees the one before it half done. Until then, [`Self::slots`] counts
+    /// the request but not its blocks.
+    pub fn settle(&mut self) {
+        if let Some(p) = self.pending.take() {
+            self.slots.hold_blocks(&p.request_id, p.blocks);
+        }
+    }
+
+    /// Whether a decision's blocks wait for [`Self::settle`].
+    pub fn is_settled(&self) -> bool {
+        self.pending.is_none()
     }
 
     /// The learned prefill times (with [`Formula::Time`]).
@@ -362,7 +395,8 @@ impl Decider {
         self.approx.is_some()
     }
 
-    /// The slot manager (loads, active requests).
+    /// The slot manager (loads, active requests; the last decision's blocks once settled,
+    /// [`Self::settle`]).
     pub fn slots(&self) -> &Slots {
         &self.slots
     }
@@ -458,6 +492,7 @@ impl Decider {
         blocks: SequenceChain<'_>,
         now_ms: u64,
     ) -> Result<Decision, DecideError> {
+        self.settle();
         let mut blocks = blocks;
         let limits = self.cfg.limits;
         self.check_blocks(route.locals.len())?;
@@ -562,7 +597,11 @@ impl Decider {
             }
         };
         self.slots
-            .add_chain(&request_id, worker, blocks, prefill_tokens, now_ms)?;
+            .add_later(&request_id, worker, prefill_tokens, now_ms)?;
+        self.pending = Some(Pending {
+            request_id: request_id.clone(),
+            blocks: blocks.into_owned(),
+        });
         if let Some(p) = &mut self.prefill {
             let new = route.tokens.saturating_sub(credited_tokens);
             p.start(&request_id, worker, (new, credited_tokens), now_ms, true);
@@ -585,6 +624,7 @@ impl Decider {
 
     /// The request produced its first token (its prefill charge is released).
     pub fn first_token(&mut self, request_id: &str, now_ms: u64) -> Result<WorkerDp, SlotError> {
+        self.settle();
         let w = self.slots.mark_prefill_done(request_id, now_ms)?;
         if let Some(p) = &mut self.prefill {
             p.first_token(request_id, now_ms);
@@ -594,6 +634,11 @@ impl Decider {
 
     /// The request finished: everything it held is released.
     pub fn free(&mut self, request_id: &str) -> Result<WorkerDp, SlotError> {
+        // Blocks never held need no holding (nor shedding others to make room) to be let go.
+        match &self.pending {
+            Some(p) if p.request_id == request_id => self.pending = None,
+            _ => self.settle(),
+        }
         if let Some(p) = &mut self.prefill {
             p.forget(request_id);
         }
@@ -602,6 +647,7 @@ impl Decider {
 
     /// Releases stale requests and expired approximate records; returns how many requests.
     pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.settle();
         if let Some(recent) = &mut self.recent {
             recent.expire(now_ms);
         }
@@ -622,6 +668,7 @@ impl Decider {
     /// are released, its approximate records and learned prefill times forgotten; it is
     /// never chosen again unless it is a candidate again.
     pub fn remove(&mut self, worker: WorkerDp) {
+        self.settle();
         self.slots.remove(worker);
         if let Some(recent) = &mut self.recent {
             recent.remove(worker);
@@ -645,6 +692,7 @@ impl Decider {
         e: ActiveSequenceEvent,
         now_ms: u64,
     ) -> Result<WorkerDp, SlotError> {
+        self.settle();
         match e.data {
             ActiveSequenceEventData::AddRequest {
                 token_sequence,
@@ -1112,6 +1160,71 @@ mod tests {
         assert_eq!(tiers.shared_beyond(0), 4);
     }
 
+    /// A decision left unsettled is settled by the next one before it walks: the next turn
+    /// of a session finds the turn before it held, with its sequence hashes learnt from the
+    /// held run, not recomputed.
+    #[test]
+    fn the_next_decision_sees_the_last_one_settled() {
+        let mut d = Decider::new(DeciderConfig::default());
+        let first: Vec<u64> = (1..=40).collect();
+        let l = locals(&first);
+        let a = d
+            .decide(None, &W, route(&l, Some("a")), seqs(&l), 0)
+            .unwrap();
+        assert!(!d.is_settled());
+        let mut next = first.clone();
+        next.extend(100..110);
+        let l2 = locals(&next);
+        let mut chain = SequenceChain::new(&l2);
+        let b = d
+            .decide(None, &W, route(&l2, Some("b")), chain.clone(), 0)
+            .unwrap();
+        let scored = b.scored.unwrap();
+        let on_a = scored
+            .iter()
+            .find(|s| s.candidate.worker == a.worker)
+            .unwrap();
+        assert_eq!(on_a.candidate.inflight_overlap_blocks, 40);
+        d.settle();
+        // The walk alone, along `a`'s run and then `b`'s: one hash, to probe the edge from
+        // the first run to the second; none along them.
+        let c = d
+            .slots()
+            .candidates(&[a.worker], &mut chain, &OverlapScores::new());
+        assert_eq!(c[0].inflight_overlap_blocks, 50);
+        assert_eq!(chain.hashed(), 1);
+        assert_eq!(
+            chain.into_vec(),
+            sequence_hashes(&l2).iter().map(|h| h.0).collect::<Vec<_>>()
+        );
+    }
+
+    /// A request freed before its decision settled is let go without its blocks ever being
+    /// held, and without shedding others' to make room for them.
+    #[test]
+    fn a_request_freed_unsettled_never_holds() {
+        let mut d = Decider::new(DeciderConfig {
+            limits: Limits {
+                max_active_blocks: 4,
+                ..Limits::default()
+            },
+            ..Default::default()
+        });
+        let l = locals(&[1, 2, 3]);
+        d.decide(None, &W, route(&l, Some("a")), seqs(&l), 0)
+            .unwrap();
+        let l2 = locals(&[7, 8, 9]);
+        d.decide(None, &W, route(&l2, Some("b")), seqs(&l2), 0)
+            .unwrap();
+        assert_eq!(d.slots().held_blocks(), 3);
+        d.free("b").unwrap();
+        assert!(d.is_settled());
+        assert_eq!(d.slots().held_blocks(), 3);
+        assert_eq!(d.slots().shed_requests(), 0);
+        assert_eq!(d.slots().active_requests(), 1);
+        assert_eq!(d.free("b"), Err(SlotError::UnknownRequest("b".into())));
+    }
+
     #[test]
     fn the_block_budget_sheds_old_requests_never_refuses() {
         let mut d = Decider::new(DeciderConfig {
@@ -1126,6 +1239,12 @@ mod tests {
             .unwrap();
         d.decide(None, &W, route(&l, Some("b")), seqs(&l), 0)
             .unwrap();
+        // `b` counts at once; its blocks wait until its answer is out.
+        assert!(!d.is_settled());
+        assert_eq!(d.slots().active_requests(), 2);
+        assert_eq!(d.slots().held_blocks(), 3);
+        d.settle();
+        assert!(d.is_settled());
         // `a` gave its blocks up for `b`; both are active, and both can be freed.
         assert_eq!(d.slots().held_blocks(), 3);
         assert_eq!(d.slots().shed_requests(), 1);

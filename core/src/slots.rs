@@ -642,42 +642,72 @@ impl Slots {
         prefill_tokens: u64,
         now_ms: u64,
     ) -> Result<(), SlotError> {
+        self.add_later(request_id, worker, prefill_tokens, now_ms)?;
+        self.hold_blocks(request_id, blocks);
+        Ok(())
+    }
+
+    /// Adds a routed request whose blocks come later ([`Self::hold_blocks`]): it counts as
+    /// active (and its prefill tokens as queued) at once, its blocks from then on. The
+    /// decider answers between the two (`crate::decision`, "settle").
+    pub fn add_later(
+        &mut self,
+        request_id: &str,
+        worker: WorkerDp,
+        prefill_tokens: u64,
+        now_ms: u64,
+    ) -> Result<(), SlotError> {
         if self.requests.contains_key(request_id) {
             return Err(SlotError::DuplicateRequest(request_id.into()));
         }
-        let blocks = if blocks.len() as u64 > self.block_budget {
-            self.shed_requests += 1;
-            SequenceChain::given(None, Vec::new())
-        } else {
-            self.shed_to(blocks.len() as u64);
-            blocks
-        };
         let seq = self.next_seq;
         self.next_seq += 1;
-        if !blocks.is_empty() {
-            self.holding.insert(seq, request_id.into());
-        }
-        let held = blocks.len() as u64;
         let w = self.workers.entry(worker).or_default();
-        let pin = w.held.hold(blocks);
         w.prefill_tokens += prefill_tokens;
         w.requests += 1;
         if w.requests == self.worker_cap {
             self.full += 1;
         }
-        self.held_blocks += held;
         self.requests.insert(
             request_id.into(),
             Active {
                 worker,
-                held,
-                pin,
+                held: 0,
+                pin: None,
                 prefill_tokens,
                 last_ms: now_ms,
                 seq,
             },
         );
         Ok(())
+    }
+
+    /// Holds the blocks of a request added by [`Self::add_later`] and holding none yet,
+    /// shedding the oldest holders past the budget first (a prompt larger than the budget
+    /// is held without its blocks, counted as shed). Any other request: nothing happens.
+    pub fn hold_blocks(&mut self, request_id: &str, blocks: SequenceChain<'_>) {
+        let len = blocks.len() as u64;
+        match self.requests.get(request_id) {
+            Some(r) if r.held == 0 && r.pin.is_none() && len > 0 => {}
+            _ => return,
+        }
+        if len > self.block_budget {
+            self.shed_requests += 1;
+            return;
+        }
+        // The request is in no holder list yet: shedding never takes its own blocks.
+        self.shed_to(len);
+        let Some(r) = self.requests.get_mut(request_id) else {
+            return;
+        };
+        let Some(w) = self.workers.get_mut(&r.worker) else {
+            debug_assert!(false, "an active request's worker has slots");
+            return;
+        };
+        r.pin = w.held.hold(blocks);
+        r.held = len;
+        self.holding.insert(r.seq, request_id.into());
+        self.held_blocks += len;
     }
 
     /// The request produced its first token: its prefill charge is released.

@@ -45,6 +45,11 @@ pub(crate) trait Routing {
     /// chosen and, with replica sync, the other replicas hear of it.
     fn decide(&mut self, ask: Ask<'_>, workers: &[WorkerDp]) -> Result<Decision, DecideError>;
 
+    /// Finishes what the last decision left until its answer was out (its slot insert,
+    /// `Decider::settle`); a front calls it once the answer is sent (the routing API) or
+    /// the request is forwarded (the proxy). Any later call into the state does it anyway.
+    fn settle(&mut self);
+
     /// The answer to a decision that was refused, counted by its cause.
     fn refusal(&mut self, e: &DecideError) -> Response;
 

@@ -271,12 +271,15 @@ impl Drop for OpenGuard {
     }
 }
 
-/// Serves connections from `listener` forever, answering each request with `handler`.
+/// Serves connections from `listener` forever, answering each request with `handler`, and
+/// calling `answered` each time a connection's answers have been written (work a handler
+/// deferred until its answer was out runs there).
 pub async fn serve(
     listener: TcpListener,
     cfg: HttpConfig,
     stats: Rc<HttpStats>,
     handler: Rc<dyn Fn(Request) -> Response>,
+    answered: Rc<dyn Fn()>,
 ) {
     let warn = crate::throttle::Throttle::new(Duration::from_secs(10));
     let refusing = Rc::new(Cell::new(0usize));
@@ -312,8 +315,9 @@ pub async fn serve(
                 stats.open.set(stats.open.get() + 1);
                 let guard = OpenGuard(Rc::clone(&stats));
                 let (cfg, handler, gate) = (cfg.clone(), Rc::clone(&handler), Rc::clone(&gate));
+                let answered = Rc::clone(&answered);
                 glommio::spawn_local(async move {
-                    connection(stream, &cfg, &guard.0, &gate, handler).await;
+                    connection(stream, &cfg, &guard.0, &gate, handler, answered).await;
                     drop(guard);
                 })
                 .detach();
@@ -392,6 +396,7 @@ async fn connection(
     stats: &HttpStats,
     gate: &BulkGate,
     handler: Rc<dyn Fn(Request) -> Response>,
+    answered: Rc<dyn Fn()>,
 ) {
     let _ = stream.set_nodelay(true);
     let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
@@ -442,7 +447,9 @@ async fn connection(
         }
         if !out.is_empty() {
             let write = async { stream.write_all(&out).await.is_ok() };
-            match with_deadline(cfg.write_timeout, write).await {
+            let written = with_deadline(cfg.write_timeout, write).await;
+            answered();
+            match written {
                 Some(true) => out.clear(),
                 Some(false) => return,
                 None => {

@@ -382,6 +382,8 @@ impl Front {
                     .unwrap_or_else(|_| Request::new(Full::new(Bytes::new())))
             };
             let sent = self.pool.send(&target, &build, &self.cfg.upstream).await;
+            // The engine has the request: the decision's slot insert is off its path now.
+            self.state.borrow_mut().settle();
             self.stats.pool_opened.set(self.pool.opened.get());
             self.stats.pool_reused.set(self.pool.reused.get());
             match sent {

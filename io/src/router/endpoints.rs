@@ -370,6 +370,11 @@ impl State {
         // Only routing decisions count in the decision-time quantiles (not frees, metrics
         // scrapes or errors, which would flatter them).
         let is_route = req.method == "POST" && req.path.trim_end_matches('/') == "/v1/route";
+        if !is_route {
+            // A route answered earlier in this batch of pipelined requests is settled
+            // before anything else reads or changes the slots.
+            self.decider.settle();
+        }
         let resp = self.dispatch(req);
         if (400..500).contains(&resp.status) {
             self.counters.client_errors += 1;
@@ -477,6 +482,10 @@ impl Routing for State {
         }
         self.counters.routes += 1;
         Ok(d)
+    }
+
+    fn settle(&mut self) {
+        self.decider.settle();
     }
 
     fn refusal(&mut self, e: &DecideError) -> Response {

@@ -40,6 +40,7 @@ use crate::http::{self, HttpConfig, Request, Response};
 use crate::ingest::IngestView;
 use crate::nats::{Client, NatsError, Options};
 use crate::proxy::{self, ProxyConfig, ProxyError, ProxyStats};
+use crate::routing::Routing;
 
 mod endpoints;
 mod input;
@@ -351,8 +352,11 @@ async fn run(
     tracing::info!(%addr, "routing API listening");
     let st = Rc::clone(&state);
     let handler: Rc<dyn Fn(Request) -> Response> = Rc::new(move |req| st.borrow_mut().handle(req));
+    // A decision's slot insert finishes once its answer is written (`Decider::settle`).
+    let st = Rc::clone(&state);
+    let answered: Rc<dyn Fn()> = Rc::new(move || st.borrow_mut().settle());
     let stats = Rc::clone(&state.borrow().http);
-    let server = http::serve(listener, cfg.http.clone(), stats, handler);
+    let server = http::serve(listener, cfg.http.clone(), stats, handler, answered);
     let stopped = async {
         let _ = stop.recv_async().await;
     };
