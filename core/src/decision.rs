@@ -328,12 +328,28 @@ pub struct Decider {
     prefill: Option<PrefillTimes>,
     /// The last decision's blocks, held at [`Decider::settle`].
     pending: Option<Pending>,
+    /// Keep settled decisions' sequence hashes for [`Decider::take_settled`].
+    keep_settled: bool,
+    settled: Vec<Settled>,
+}
+
+/// A decision whose blocks were held, with all its sequence hashes: what replica sync
+/// tells the other routers ([`Decider::keep_settled`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settled {
+    /// The request.
+    pub request_id: String,
+    /// Its worker.
+    pub worker: WorkerDp,
+    /// Its sequence hashes, every block.
+    pub blocks: Vec<u64>,
 }
 
 /// A decision's blocks, not yet held by the slot manager (see [`Decider::settle`]).
 #[derive(Debug)]
 struct Pending {
     request_id: String,
+    worker: WorkerDp,
     blocks: SequenceChain<'static>,
 }
 
@@ -359,8 +375,25 @@ impl Decider {
             prefill: (cfg.cost.formula == Formula::Time && cfg.selection == Selection::Cost)
                 .then(|| PrefillTimes::new(cfg.cost.prior)),
             pending: None,
+            keep_settled: false,
+            settled: Vec::new(),
             cfg,
         }
+    }
+
+    /// Keeps, from now on, each settled decision's request and sequence hashes until
+    /// [`Self::take_settled`] takes them (replica sync sends them to the other routers). A
+    /// request freed before it settled is never settled, so it never appears there.
+    pub fn keep_settled(&mut self, on: bool) {
+        self.keep_settled = on;
+        if !on {
+            self.settled.clear();
+        }
+    }
+
+    /// The decisions settled since the last call, oldest first ([`Self::keep_settled`]).
+    pub fn take_settled(&mut self) -> Vec<Settled> {
+        std::mem::take(&mut self.settled)
     }
 
     /// Holds the last decision's blocks in the slot manager, hashing what its worker does
@@ -371,7 +404,15 @@ impl Decider {
     /// the request but not its blocks.
     pub fn settle(&mut self) {
         if let Some(p) = self.pending.take() {
-            self.slots.hold_blocks(&p.request_id, p.blocks);
+            let mut blocks = p.blocks;
+            if self.keep_settled {
+                self.settled.push(Settled {
+                    request_id: p.request_id.clone(),
+                    worker: p.worker,
+                    blocks: blocks.full().to_vec(),
+                });
+            }
+            self.slots.hold_blocks(&p.request_id, blocks);
         }
     }
 
@@ -600,6 +641,7 @@ impl Decider {
             .add_later(&request_id, worker, prefill_tokens, now_ms)?;
         self.pending = Some(Pending {
             request_id: request_id.clone(),
+            worker,
             blocks: blocks.into_owned(),
         });
         if let Some(p) = &mut self.prefill {

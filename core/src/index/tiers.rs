@@ -23,7 +23,9 @@
 //!
 //! Dynamo keys a lower-tier block by its parent's engine hash; we key it by its **path
 //! hash**: the router's sequence hash of the local hashes from the root
-//! ([`crate::hash::sequence_hashes`]), which the router computes for every request anyway.
+//! ([`crate::hash::sequence_hashes`]), which a decision computes in full only when some
+//! worker holds blocks on a lower tier or in a pool (otherwise only where its slot walks
+//! need them, [`crate::chain`]).
 //! A lower-tier chain is placed when it is stored: its parent is the worker's block of that
 //! engine name on a lower tier, or on the device (the shard writer resolves it from the
 //! tree). Per tier, a map from path hash to the workers holding it; per worker and tier, a

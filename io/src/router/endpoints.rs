@@ -81,6 +81,8 @@ pub(crate) struct State {
     pub(super) replica: Rc<super::replica::ReplicaStats>,
     times: DecisionTimes,
     replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
+    /// The last decision, until it settles and the replicas hear of it (replica sync only).
+    unsent: Option<Unsent>,
     /// The OpenAI front's counters, when it runs (rendered in `/metrics` too).
     pub(crate) proxy: Option<Rc<ProxyStats>>,
     /// The candidates from the static list and the ingest, sorted, as of the ingest's
@@ -96,9 +98,11 @@ impl State {
     pub(super) fn new(
         cfg: RouterConfig,
         ingest: Option<IngestView>,
-        decider: Decider,
+        mut decider: Decider,
         replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
     ) -> Self {
+        // The replicas are told of a decision once it settles, with all its sequence hashes.
+        decider.keep_settled(replica_tx.is_some());
         State {
             cfg,
             ingest,
@@ -109,6 +113,7 @@ impl State {
             replica: Rc::default(),
             times: DecisionTimes::default(),
             replica_tx,
+            unsent: None,
             proxy: None,
             known: Vec::new(),
             known_at: None,
@@ -124,7 +129,40 @@ impl State {
     pub(super) fn expire(&mut self) {
         let now = self.now_ms();
         let n = self.decider.expire(now);
+        self.send_settled();
         self.counters.expired += n as u64;
+    }
+
+    /// Tells the replicas of the decisions that settled since the last call: each is the
+    /// last decision made (`unsent`), since a decision settles before the next one is made.
+    fn send_settled(&mut self) {
+        if self.replica_tx.is_none() {
+            return;
+        }
+        for s in self.decider.take_settled() {
+            let (lora_name, prefill) = match self.unsent.take() {
+                Some(u) if u.request_id == s.request_id => (u.lora_name, u.prefill_tokens),
+                other => {
+                    debug_assert!(false, "a settled decision is the last one made");
+                    self.unsent = other;
+                    (None, 0)
+                }
+            };
+            self.replicate(
+                &s.request_id,
+                s.worker,
+                lora_name,
+                ActiveSequenceEventData::AddRequest {
+                    token_sequence: Some(s.blocks),
+                    track_prefill_tokens: true,
+                    expected_output_tokens: None,
+                    prefill_load_hint: Some(PrefillLoadHint {
+                        initial_effective_prefill_tokens: prefill,
+                        expected_prefill_duration: None,
+                    }),
+                },
+            );
+        }
     }
 
     /// The request's local block hashes and prompt tokens; past the block limit, a 413
@@ -302,6 +340,7 @@ impl State {
         self.counters.replica_in += 1;
         let now = self.now_ms();
         let _ = self.decider.apply_replica(e, now);
+        self.send_settled();
     }
 
     fn workers_json(&mut self) -> Response {
@@ -373,7 +412,7 @@ impl State {
         if !is_route {
             // A route answered earlier in this batch of pipelined requests is settled
             // before anything else reads or changes the slots.
-            self.decider.settle();
+            Routing::settle(self);
         }
         let resp = self.dispatch(req);
         if (400..500).contains(&resp.status) {
@@ -448,13 +487,20 @@ impl State {
     }
 }
 
+/// A decision the replicas have not heard of yet: what its announcement needs besides
+/// its sequence hashes.
+struct Unsent {
+    request_id: String,
+    lora_name: Option<String>,
+    prefill_tokens: u64,
+}
+
 /// The routing state as every front sees it (the proxy through `dyn Routing`).
 impl Routing for State {
     fn decide(&mut self, ask: Ask<'_>, workers: &[WorkerDp]) -> Result<Decision, DecideError> {
-        // Sequence hashes are computed as far as the decision needs them, except that the
-        // replicas need them all (they exchange sequence hashes, as Dynamo's routers do).
-        let mut seqs = SequenceChain::new(ask.locals);
-        let replicated = self.replica_tx.is_some().then(|| seqs.full().to_vec());
+        // Sequence hashes are computed as far as the decision needs them before its answer;
+        // the rest, and the replicas' copy, when it settles.
+        let seqs = SequenceChain::new(ask.locals);
         let now = self.now_ms();
         let route = Route {
             locals: ask.locals,
@@ -463,22 +509,16 @@ impl Routing for State {
             explain: ask.explain,
         };
         let index = Self::index(&self.ingest, self.cfg.kv_events);
-        let d = self.decider.decide(index, workers, route, seqs, now)?;
-        if let Some(seqs) = replicated {
-            self.replicate(
-                &d.request_id,
-                d.worker,
-                ask.lora_name,
-                ActiveSequenceEventData::AddRequest {
-                    token_sequence: Some(seqs),
-                    track_prefill_tokens: true,
-                    expected_output_tokens: None,
-                    prefill_load_hint: Some(PrefillLoadHint {
-                        initial_effective_prefill_tokens: d.prefill_tokens,
-                        expected_prefill_duration: None,
-                    }),
-                },
-            );
+        let d = self.decider.decide(index, workers, route, seqs, now);
+        // The decision before this one settled first: the replicas hear of it now.
+        self.send_settled();
+        let d = d?;
+        if self.replica_tx.is_some() {
+            self.unsent = Some(Unsent {
+                request_id: d.request_id.clone(),
+                lora_name: ask.lora_name,
+                prefill_tokens: d.prefill_tokens,
+            });
         }
         self.counters.routes += 1;
         Ok(d)
@@ -486,6 +526,7 @@ impl Routing for State {
 
     fn settle(&mut self) {
         self.decider.settle();
+        self.send_settled();
     }
 
     fn refusal(&mut self, e: &DecideError) -> Response {
@@ -517,8 +558,14 @@ impl Routing for State {
             ),
             Update::Free => (self.decider.free(id), ActiveSequenceEventData::Free),
         };
+        // A decision this settled is announced before what happened to it.
+        self.send_settled();
         if let Ok(worker) = result {
-            self.replicate(id, worker, None, data);
+            match &self.unsent {
+                // Freed before it settled: the replicas never heard of it, nor need to.
+                Some(u) if u.request_id == id => self.unsent = None,
+                _ => self.replicate(id, worker, None, data),
+            }
         }
         result
     }
@@ -569,6 +616,70 @@ impl Routing for State {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use kvrouter_core::decision::DeciderConfig;
+    use kvrouter_core::hash::sequence_hashes;
+
+    /// With replica sync, a decision is announced once it settles (with all its sequence
+    /// hashes, its adapter and its prefill), before anything else said of it; a request
+    /// freed before it settled is never announced, nor its free.
+    #[test]
+    fn replicas_hear_of_a_decision_once_it_settles_and_in_order() {
+        let (tx, rx) = flume::unbounded();
+        let decider = Decider::new(DeciderConfig::default());
+        let mut st = State::new(RouterConfig::default(), None, decider, Some(tx));
+        let locals: Vec<LocalBlockHash> = (1..=8).map(LocalBlockHash).collect();
+        let ask = |id: &'static str| Ask {
+            locals: &locals,
+            tokens: 8 * 16,
+            request_id: Some(id),
+            lora_name: Some("adapter".into()),
+            explain: false,
+        };
+        let w = [WorkerDp::new(1, 0)];
+        let d = st.decide(ask("a"), &w).unwrap();
+        assert!(rx.try_recv().is_err(), "announced before it settled");
+        st.settle();
+        let add = rx.try_recv().unwrap();
+        assert_eq!((add.request_id.as_str(), add.worker), ("a", w[0]));
+        assert_eq!(add.lora_name.as_deref(), Some("adapter"));
+        let want: Vec<u64> = sequence_hashes(&locals).iter().map(|h| h.0).collect();
+        match add.data {
+            ActiveSequenceEventData::AddRequest {
+                token_sequence,
+                prefill_load_hint,
+                ..
+            } => {
+                assert_eq!(token_sequence, Some(want));
+                assert_eq!(
+                    prefill_load_hint.map(|h| h.initial_effective_prefill_tokens),
+                    Some(d.prefill_tokens)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // `b` settles when `a`'s first token comes: its add goes first.
+        st.decide(ask("b"), &w).unwrap();
+        st.update("a", Update::FirstToken).unwrap();
+        let order: Vec<(String, bool)> = rx
+            .try_iter()
+            .map(|e| {
+                let add = matches!(e.data, ActiveSequenceEventData::AddRequest { .. });
+                (e.request_id, add)
+            })
+            .collect();
+        assert_eq!(order, [("b".to_owned(), true), ("a".to_owned(), false)]);
+        // `c` is freed before it settled.
+        st.decide(ask("c"), &w).unwrap();
+        st.update("c", Update::Free).unwrap();
+        st.settle();
+        assert!(rx.try_recv().is_err());
+        assert_eq!(st.decider.slots().worker_of("c"), None);
+        // Everything else still reaches the replicas.
+        st.update("b", Update::Free).unwrap();
+        assert_eq!(rx.try_recv().unwrap().request_id, "b");
+    }
+
     #[test]
     fn tokens_compare_in_full() {
         use super::constant_time_eq as eq;
