@@ -17,7 +17,9 @@
 //! [`HttpConfig::bulk_body_bytes`] or more pass a *bulk gate* shared by the listener's
 //! connections: one runs at a time, and after it the gate stays shut for as long as it
 //! ran, so bulk work takes at most half the thread and a small request waits behind at
-//! most one bulk request, however many clients send them back to back.
+//! most one bulk request, however many clients send them back to back. Work a handler
+//! leaves until its answer is written (`answered`, the decision's settle) runs after the
+//! write; after a bulk request, the gate stays shut that much longer too.
 
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -120,6 +122,12 @@ impl BulkGate {
         let ran = started.elapsed();
         self.open_at.set(Instant::now() + ran);
         out
+    }
+
+    /// Keeps the gate shut `ran` longer: bulk work done after its handler.
+    fn extend(&self, ran: Duration) {
+        let from = self.open_at.get().max(Instant::now());
+        self.open_at.set(from + ran);
     }
 }
 
@@ -273,7 +281,8 @@ impl Drop for OpenGuard {
 
 /// Serves connections from `listener` forever, answering each request with `handler`, and
 /// calling `answered` each time a connection's answers have been written (work a handler
-/// deferred until its answer was out runs there).
+/// deferred until its answer was out runs there; after a bulk request the bulk gate counts
+/// it, module docs).
 pub async fn serve(
     listener: TcpListener,
     cfg: HttpConfig,
@@ -406,6 +415,7 @@ async fn connection(
     loop {
         // Answer every complete request already buffered (pipelining), then read more.
         let mut close = false;
+        let mut bulk = false;
         loop {
             match parse(&buf, cfg) {
                 Parsed::Need { head_done } => {
@@ -425,6 +435,7 @@ async fn connection(
                 Parsed::Request(req, used, keep_alive) => {
                     buf.drain(..used);
                     let resp = if req.body.len() >= cfg.bulk_body_bytes {
+                        bulk = true;
                         gate.pass(stats, || handler(req)).await
                     } else {
                         handler(req)
@@ -448,7 +459,12 @@ async fn connection(
         if !out.is_empty() {
             let write = async { stream.write_all(&out).await.is_ok() };
             let written = with_deadline(cfg.write_timeout, write).await;
+            let settling = Instant::now();
             answered();
+            if bulk {
+                // A bulk request's deferred work counts in the gate's share too.
+                gate.extend(settling.elapsed());
+            }
             match written {
                 Some(true) => out.clear(),
                 Some(false) => return,
