@@ -348,16 +348,18 @@ fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
     // A: vLLM's names (GPU, CPU, DISK) as tagged maps; B: SGLang's (GPU, CPU_PINNED, DISK)
     // as positional arrays. Both offload a prefix to host memory, lose its tail from the
     // device, continue it on disk, and send one event on a medium nobody knows.
-    let (pa, pb) = (free_port(), free_port());
-    let a = ZmqEngine::new(
+    // Each with a replay socket, so nothing sent before the subscription reached the
+    // publisher is lost.
+    let (pa, ra, pb, rb) = (free_port(), free_port(), free_port(), free_port());
+    let a = engine(
         "tier-a",
-        Endpoint::parse(&format!("tcp://127.0.0.1:{pa}")).unwrap(),
-        BS,
+        &format!("tcp://127.0.0.1:{pa}"),
+        &format!("tcp://127.0.0.1:{ra}"),
     );
-    let b = ZmqEngine::new(
+    let b = engine(
         "tier-b",
-        Endpoint::parse(&format!("tcp://127.0.0.1:{pb}")).unwrap(),
-        BS,
+        &format!("tcp://127.0.0.1:{pb}"),
+        &format!("tcp://127.0.0.1:{rb}"),
     );
     let snaps = std::env::temp_dir().join(format!("kvrouter-tiers-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&snaps);
@@ -379,12 +381,26 @@ fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
         (
             a.worker_id,
             "CPU",
-            PyEngine::start(&["--pub", &format!("tcp://*:{pa}"), "--form", "map"]),
+            PyEngine::start(&[
+                "--pub",
+                &format!("tcp://*:{pa}"),
+                "--replay",
+                &format!("tcp://*:{ra}"),
+                "--form",
+                "map",
+            ]),
         ),
         (
             b.worker_id,
             "CPU_PINNED",
-            PyEngine::start(&["--pub", &format!("tcp://*:{pb}"), "--form", "array"]),
+            PyEngine::start(&[
+                "--pub",
+                &format!("tcp://*:{pb}"),
+                "--replay",
+                &format!("tcp://*:{rb}"),
+                "--form",
+                "array",
+            ]),
         ),
     ];
     wait_until("both publishers connected", Duration::from_secs(10), || {
@@ -484,11 +500,13 @@ fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
 /// after the silence timeout, and listed again when it comes back.
 #[test]
 fn a_static_engine_that_goes_away_is_removed_after_the_silence_timeout() {
-    let p = free_port();
-    let e = ZmqEngine::new(
+    let (p, r) = (free_port(), free_port());
+    // With a replay socket, as vLLM has: what the PUB sent before our subscription reached
+    // it (the slow joiner) is caught up from there rather than lost.
+    let e = engine(
         "leaver",
-        Endpoint::parse(&format!("tcp://127.0.0.1:{p}")).unwrap(),
-        BS,
+        &format!("tcp://127.0.0.1:{p}"),
+        &format!("tcp://127.0.0.1:{r}"),
     );
     let w = WorkerDp::new(e.worker_id, 0);
     let ingest = Ingest::start(IngestConfig {
@@ -502,7 +520,12 @@ fn a_static_engine_that_goes_away_is_removed_after_the_silence_timeout() {
     wait_until("listed at start", Duration::from_secs(10), || {
         listed(&ingest)
     });
-    let mut engine = PyEngine::start(&["--pub", &format!("tcp://*:{p}")]);
+    let mut engine = PyEngine::start(&[
+        "--pub",
+        &format!("tcp://*:{p}"),
+        "--replay",
+        &format!("tcp://*:{r}"),
+    ]);
     wait_until("connected", Duration::from_secs(10), || {
         ingest.stats().zmq_connects >= 1
     });
@@ -532,7 +555,12 @@ fn a_static_engine_that_goes_away_is_removed_after_the_silence_timeout() {
         "the removed engine's blocks are still indexed"
     );
     // Back: listed again.
-    let engine = PyEngine::start(&["--pub", &format!("tcp://*:{p}")]);
+    let engine = PyEngine::start(&[
+        "--pub",
+        &format!("tcp://*:{p}"),
+        "--replay",
+        &format!("tcp://*:{r}"),
+    ]);
     wait_until("listed again", Duration::from_secs(10), || listed(&ingest));
     engine.finish();
     ingest.stop();
