@@ -111,6 +111,26 @@ pub fn local_hashes_as_u64(hashes: &[LocalBlockHash]) -> &[u64] {
     unsafe { std::slice::from_raw_parts(hashes.as_ptr().cast::<u64>(), hashes.len()) }
 }
 
+/// Length of the common prefix of two slices, compared eight hashes at a time.
+#[inline]
+pub(crate) fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // A branch-free XOR-OR over eight hashes compiles to vector ops inline, where a
+        // slice comparison calls `memcmp`.
+        let (x, y) = (&a[i..i + 8], &b[i..i + 8]);
+        if (0..8).fold(0u64, |d, k| d | (x[k] ^ y[k])) != 0 {
+            break;
+        }
+        i += 8;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
 /// Request-wide identity mixed into every local hash: which adapter and which cache
 /// namespace the blocks belong to. Empty strings count as absent (as in Dynamo).
 #[derive(Debug, Clone, Copy, Default)]

@@ -63,7 +63,7 @@ use std::collections::{BTreeMap, HashMap};
 use smallvec::SmallVec;
 
 use crate::chain::SequenceChain;
-use crate::hash::{LocalBlockHash, MixBuildHasher};
+use crate::hash::{MixBuildHasher, common_prefix, local_hashes_as_u64};
 use crate::index::OverlapScores;
 use crate::policy::Candidate;
 use crate::worker::WorkerDp;
@@ -183,7 +183,8 @@ impl HeldRuns {
             let m = match p.locals() {
                 Some(locals) if !run.locals.is_empty() => {
                     // Block 0 agrees (its sequence hash led the walk here).
-                    let m = common_prefix(&run.locals, &locals[f.held..]).max(1);
+                    let m =
+                        common_prefix(&run.locals, local_hashes_as_u64(&locals[f.held..])).max(1);
                     p.learn(f.held + m - 1, run.blocks[m - 1]);
                     m
                 }
@@ -457,23 +458,6 @@ fn split_vec(v: &mut Vec<u64>, k: usize) -> Vec<u64> {
         let rest = v.split_off(k);
         std::mem::replace(v, rest)
     }
-}
-
-/// How many leading local hashes a run and a prompt share: compared a chunk at a time
-/// (memory order, no early branch per block), then within the chunk that differs.
-fn common_prefix(run: &[u64], prompt: &[LocalBlockHash]) -> usize {
-    const CHUNK: usize = 16;
-    let n = run.len().min(prompt.len());
-    let (run, prompt) = (&run[..n], &prompt[..n]);
-    let mut at = 0;
-    for (a, b) in run.chunks(CHUNK).zip(prompt.chunks(CHUNK)) {
-        if a.iter().zip(b).fold(true, |eq, (x, y)| eq & (*x == y.0)) {
-            at += a.len();
-        } else {
-            return at + a.iter().zip(b).take_while(|(x, y)| **x == y.0).count();
-        }
-    }
-    at
 }
 
 /// How many of `run`'s blocks `rest` (whose first block is the run's first) continues
@@ -886,6 +870,7 @@ impl Slots {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::hash::LocalBlockHash;
     use proptest::prelude::*;
 
     const A: WorkerDp = WorkerDp::new(1, 0);
@@ -1250,7 +1235,7 @@ mod tests {
     /// what a worker holds is whole prompts' chains.
     #[test]
     fn held_prefix_is_exact_on_chains() {
-        use crate::hash::{LocalBlockHash, sequence_hashes};
+        use crate::hash::sequence_hashes;
         let chain = |v: &[u64]| -> Vec<u64> {
             let l: Vec<LocalBlockHash> = v.iter().copied().map(LocalBlockHash).collect();
             sequence_hashes(&l).into_iter().map(|h| h.0).collect()

@@ -17,6 +17,8 @@
 
 use crossbeam_epoch::Owned;
 
+use crate::hash::common_prefix;
+
 use super::tail::{Blank, Tail};
 use crate::sync::{AtomicU32, Cell, Ordering};
 
@@ -101,27 +103,6 @@ impl Tail<AtomicU32, Cell<u64>> {
         debug_assert!(len <= self.cap());
         self.head.store(len as u32, Ordering::Release);
     }
-}
-
-/// Length of the common prefix of two slices, compared eight hashes at a time.
-#[cfg_attr(loom, allow(dead_code))]
-#[inline]
-pub(crate) fn common_prefix(a: &[u64], b: &[u64]) -> usize {
-    let n = a.len().min(b.len());
-    let mut i = 0;
-    while i + 8 <= n {
-        // A branch-free XOR-OR over eight hashes compiles to vector ops inline, where a
-        // slice comparison calls `memcmp`.
-        let (x, y) = (&a[i..i + 8], &b[i..i + 8]);
-        if (0..8).fold(0u64, |d, k| d | (x[k] ^ y[k])) != 0 {
-            break;
-        }
-        i += 8;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
 }
 
 #[cfg(all(test, not(loom)))]
