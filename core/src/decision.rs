@@ -710,7 +710,12 @@ impl Decider {
     /// are released, its approximate records and learned prefill times forgotten; it is
     /// never chosen again unless it is a candidate again.
     pub fn remove(&mut self, worker: WorkerDp) {
-        self.settle();
+        // A decision for the leaving worker goes with its requests, never held (nor
+        // announced as settled).
+        match &self.pending {
+            Some(p) if p.worker == worker => self.pending = None,
+            _ => self.settle(),
+        }
         self.slots.remove(worker);
         if let Some(recent) = &mut self.recent {
             recent.remove(worker);
@@ -734,7 +739,7 @@ impl Decider {
         e: ActiveSequenceEvent,
         now_ms: u64,
     ) -> Result<WorkerDp, SlotError> {
-        self.settle();
+        // `first_token` and `free` settle as they do for our own fronts.
         match e.data {
             ActiveSequenceEventData::AddRequest {
                 token_sequence,
@@ -742,6 +747,7 @@ impl Decider {
                 prefill_load_hint,
                 ..
             } => {
+                self.settle();
                 let limits = self.cfg.limits;
                 if self.slots.active_requests() >= limits.max_active_requests {
                     return Err(SlotError::Full {
@@ -1265,6 +1271,29 @@ mod tests {
         assert_eq!(d.slots().shed_requests(), 0);
         assert_eq!(d.slots().active_requests(), 1);
         assert_eq!(d.free("b"), Err(SlotError::UnknownRequest("b".into())));
+        // The same when another replica frees it, and when its worker leaves: nothing
+        // held, nobody shed, nothing announced as settled.
+        d.keep_settled(true);
+        let c = d
+            .decide(None, &W, route(&l2, Some("c")), seqs(&l2), 0)
+            .unwrap();
+        let free = ActiveSequenceEvent {
+            request_id: "c".into(),
+            worker: c.worker,
+            data: ActiveSequenceEventData::Free,
+            router_id: 7,
+            lora_name: None,
+        };
+        assert_eq!(d.apply_replica(free, 0), Ok(c.worker));
+        assert!(d.is_settled());
+        let e = d
+            .decide(None, &W, route(&l2, Some("e")), seqs(&l2), 0)
+            .unwrap();
+        d.remove(e.worker);
+        assert!(d.is_settled());
+        assert_eq!(d.slots().worker_of("e"), None);
+        assert_eq!(d.slots().shed_requests(), 0);
+        assert!(d.take_settled().is_empty());
     }
 
     #[test]
