@@ -452,6 +452,8 @@ async fn connection(
                     bump(&stats.rejected);
                     write_response(&mut out, &resp, false);
                     close_gently(stream, &out).await;
+                    // Answers of this batch went out with the rejection.
+                    answered();
                     return;
                 }
             }

@@ -408,8 +408,12 @@ impl State {
         let started = Instant::now();
         // Only routing decisions count in the decision-time quantiles (not frees, metrics
         // scrapes or errors, which would flatter them).
-        let is_route = req.method == "POST" && req.path.trim_end_matches('/') == "/v1/route";
-        if !is_route {
+        let path = req.path.trim_end_matches('/');
+        let is_route = req.method == "POST" && path == "/v1/route";
+        // A request's first token or free settles through the decider, which lets a
+        // decision freed before it settled go without ever holding its blocks.
+        let is_update = req.method == "POST" && path.starts_with("/v1/requests/");
+        if !is_route && !is_update {
             // A route answered earlier in this batch of pipelined requests is settled
             // before anything else reads or changes the slots.
             Routing::settle(self);
@@ -675,6 +679,18 @@ mod tests {
         st.settle();
         assert!(rx.try_recv().is_err());
         assert_eq!(st.decider.slots().worker_of("c"), None);
+        // So is `d`, through the API (a free pipelined behind its route): never held,
+        // never announced.
+        st.decide(ask("d"), &w).unwrap();
+        let free = crate::http::Request {
+            method: "POST".into(),
+            path: "/v1/requests/d/free".into(),
+            ..Default::default()
+        };
+        assert_eq!(st.handle(free).status, 200);
+        assert!(st.decider.is_settled());
+        assert!(rx.try_recv().is_err());
+        assert_eq!(st.decider.slots().worker_of("d"), None);
         // Everything else still reaches the replicas.
         st.update("b", Update::Free).unwrap();
         assert_eq!(rx.try_recv().unwrap().request_id, "b");
