@@ -381,9 +381,16 @@ impl Front {
                 b.body(Full::new(upstream_body.clone()))
                     .unwrap_or_else(|_| Request::new(Full::new(Bytes::new())))
             };
+            // The decision's slot insert runs once this task waits on the engine, behind the
+            // connection's write of the request (one yield), so it is off the request's
+            // path; it runs even if this task is dropped (the client went away) meanwhile.
+            let state = Rc::clone(&self.state);
+            glommio::spawn_local(async move {
+                futures_lite::future::yield_now().await;
+                state.borrow_mut().settle();
+            })
+            .detach();
             let sent = self.pool.send(&target, &build, &self.cfg.upstream).await;
-            // The engine has the request: the decision's slot insert is off its path now.
-            self.state.borrow_mut().settle();
             self.stats.pool_opened.set(self.pool.opened.get());
             self.stats.pool_reused.set(self.pool.reused.get());
             match sent {
