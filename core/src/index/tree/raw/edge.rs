@@ -17,6 +17,7 @@
 
 use crossbeam_epoch::Owned;
 
+#[cfg(not(loom))]
 use crate::hash::common_prefix;
 
 use super::tail::{Blank, Tail};
