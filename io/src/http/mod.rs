@@ -19,7 +19,9 @@
 //! ran, so bulk work takes at most half the thread and a small request waits behind at
 //! most one bulk request, however many clients send them back to back. Work a handler
 //! leaves until its answer is written (`answered`, the decision's settle) runs after the
-//! write; after a bulk request, the gate stays shut that much longer too.
+//! write, or earlier in the next handler on any connection (the state settles before it
+//! reads); after a bulk request, the gate stays shut for however long that first handler
+//! or hook ran, whichever connection it served.
 
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -97,6 +99,10 @@ pub struct HttpStats {
 #[derive(Debug)]
 struct BulkGate {
     open_at: Cell<Instant>,
+    /// A bulk request was answered and what its handler left for later (the decision's
+    /// settle, `answered`) may not have run yet: whichever handler or hook runs next on
+    /// this server does it, and its time is the gate's.
+    deferred: Cell<bool>,
 }
 
 impl BulkGate {
@@ -128,6 +134,18 @@ impl BulkGate {
     fn extend(&self, ran: Duration) {
         let from = self.open_at.get().max(Instant::now());
         self.open_at.set(from + ran);
+    }
+
+    /// Runs `f` (a non-bulk handler, or the hook after a write); when a bulk request's
+    /// deferred work may be pending, `f` does it first, so its time counts in the gate.
+    fn after_bulk<T>(&self, f: impl FnOnce() -> T) -> T {
+        if !self.deferred.replace(false) {
+            return f();
+        }
+        let started = Instant::now();
+        let out = f();
+        self.extend(started.elapsed());
+        out
     }
 }
 
@@ -294,6 +312,7 @@ pub async fn serve(
     let refusing = Rc::new(Cell::new(0usize));
     let gate = Rc::new(BulkGate {
         open_at: Cell::new(Instant::now()),
+        deferred: Cell::new(false),
     });
     loop {
         match listener.accept().await {
@@ -415,7 +434,6 @@ async fn connection(
     loop {
         // Answer every complete request already buffered (pipelining), then read more.
         let mut close = false;
-        let mut bulk = false;
         loop {
             match parse(&buf, cfg) {
                 Parsed::Need { head_done } => {
@@ -435,10 +453,11 @@ async fn connection(
                 Parsed::Request(req, used, keep_alive) => {
                     buf.drain(..used);
                     let resp = if req.body.len() >= cfg.bulk_body_bytes {
-                        bulk = true;
-                        gate.pass(stats, || handler(req)).await
+                        let resp = gate.pass(stats, || gate.after_bulk(|| handler(req))).await;
+                        gate.deferred.set(true);
+                        resp
                     } else {
-                        handler(req)
+                        gate.after_bulk(|| handler(req))
                     };
                     write_response(&mut out, &resp, keep_alive);
                     // The next request (pipelined or not) starts its own clock.
@@ -461,12 +480,9 @@ async fn connection(
         if !out.is_empty() {
             let write = async { stream.write_all(&out).await.is_ok() };
             let written = with_deadline(cfg.write_timeout, write).await;
-            let settling = Instant::now();
-            answered();
-            if bulk {
-                // A bulk request's deferred work counts in the gate's share too.
-                gate.extend(settling.elapsed());
-            }
+            // A bulk request's deferred work counts in the gate's share, here or in the
+            // handler that runs first on another connection while this write waits.
+            gate.after_bulk(|| answered());
             match written {
                 Some(true) => out.clear(),
                 Some(false) => return,
@@ -512,6 +528,28 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bulk_requests_deferred_work_shuts_the_gate_wherever_it_runs() {
+        let gate = BulkGate {
+            open_at: Cell::new(Instant::now()),
+            deferred: Cell::new(false),
+        };
+        let work = Duration::from_millis(20);
+        // Nothing deferred: a handler's time is its own.
+        gate.after_bulk(|| std::thread::sleep(work));
+        assert!(gate.open_at.get() <= Instant::now());
+        // After a bulk answer, the first handler (or hook) to run does the deferred work:
+        // its time keeps the gate shut; the next one's does not.
+        gate.deferred.set(true);
+        let before = Instant::now();
+        gate.after_bulk(|| std::thread::sleep(work));
+        // Shut from when it ended for at least as long as it ran.
+        let shut = gate.open_at.get();
+        assert!(shut >= before + 2 * work, "the gate was not extended");
+        gate.after_bulk(|| std::thread::sleep(work));
+        assert_eq!(gate.open_at.get(), shut);
+    }
 
     #[test]
     fn segments_decode_or_refuse() {
