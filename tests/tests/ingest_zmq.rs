@@ -147,6 +147,18 @@ fn engine(name: &str, events: &str, replay: &str) -> ZmqEngine {
     }
 }
 
+/// A stand-in engine whose PUB and replay sockets bind on all interfaces at these ports,
+/// with `extra` arguments.
+fn py_engine(pub_port: u16, replay_port: u16, extra: &[&str]) -> PyEngine {
+    let (p, r) = (
+        format!("tcp://*:{pub_port}"),
+        format!("tcp://*:{replay_port}"),
+    );
+    let mut args = vec!["--pub", p.as_str(), "--replay", r.as_str()];
+    args.extend_from_slice(extra);
+    PyEngine::start(&args)
+}
+
 fn ingest(engines: Vec<ZmqEngine>) -> Ingest {
     Ingest::start(IngestConfig {
         nats: None,
@@ -204,16 +216,7 @@ fn two_engines_equal_the_reference_with_losses_recovered_by_replay() {
         let ws: Vec<WorkerDp> = ingest.workers().iter().map(|s| s.worker).collect();
         ws.contains(&wa) && ws.contains(&wb)
     });
-    let mut ea = PyEngine::start(&[
-        "--pub",
-        &format!("tcp://*:{pa}"),
-        "--replay",
-        &format!("tcp://*:{ra}"),
-        "--form",
-        "map",
-        "--replay-form",
-        "new",
-    ]);
+    let mut ea = py_engine(pa, ra, &["--form", "map", "--replay-form", "new"]);
     let mut eb = PyEngine::start(&[
         "--pub",
         &format!("tcp://127.0.0.1:{pb}"),
@@ -261,14 +264,7 @@ fn restarts_exceeded_windows_and_garbage_reset_or_skip_without_losing_state() {
     let w = WorkerDp::new(e.worker_id, 0);
     let ingest = ingest(vec![e.clone()]);
     // The engine keeps only its last 4 batches for replay.
-    let mut eng = PyEngine::start(&[
-        "--pub",
-        &format!("tcp://*:{p}"),
-        "--replay",
-        &format!("tcp://*:{r}"),
-        "--buffer",
-        "4",
-    ]);
+    let mut eng = py_engine(p, r, &["--buffer", "4"]);
     wait_until("connected", Duration::from_secs(10), || {
         ingest.stats().zmq_connects >= 1
     });
@@ -378,29 +374,11 @@ fn every_medium_of_vllm_and_sglang_reaches_its_tier() {
     };
     let ingest = with_snapshots(vec![a.clone(), b.clone()]);
     let mut engines = [
-        (
-            a.worker_id,
-            "CPU",
-            PyEngine::start(&[
-                "--pub",
-                &format!("tcp://*:{pa}"),
-                "--replay",
-                &format!("tcp://*:{ra}"),
-                "--form",
-                "map",
-            ]),
-        ),
+        (a.worker_id, "CPU", py_engine(pa, ra, &["--form", "map"])),
         (
             b.worker_id,
             "CPU_PINNED",
-            PyEngine::start(&[
-                "--pub",
-                &format!("tcp://*:{pb}"),
-                "--replay",
-                &format!("tcp://*:{rb}"),
-                "--form",
-                "array",
-            ]),
+            py_engine(pb, rb, &["--form", "array"]),
         ),
     ];
     wait_until("both publishers connected", Duration::from_secs(10), || {
@@ -520,12 +498,7 @@ fn a_static_engine_that_goes_away_is_removed_after_the_silence_timeout() {
     wait_until("listed at start", Duration::from_secs(10), || {
         listed(&ingest)
     });
-    let mut engine = PyEngine::start(&[
-        "--pub",
-        &format!("tcp://*:{p}"),
-        "--replay",
-        &format!("tcp://*:{r}"),
-    ]);
+    let mut engine = py_engine(p, r, &[]);
     wait_until("connected", Duration::from_secs(10), || {
         ingest.stats().zmq_connects >= 1
     });
@@ -555,12 +528,7 @@ fn a_static_engine_that_goes_away_is_removed_after_the_silence_timeout() {
         "the removed engine's blocks are still indexed"
     );
     // Back: listed again.
-    let engine = PyEngine::start(&[
-        "--pub",
-        &format!("tcp://*:{p}"),
-        "--replay",
-        &format!("tcp://*:{r}"),
-    ]);
+    let engine = py_engine(p, r, &[]);
     wait_until("listed again", Duration::from_secs(10), || listed(&ingest));
     engine.finish();
     ingest.stop();
