@@ -789,10 +789,42 @@ impl ServeConfig {
     }
 }
 
+/// glibc's malloc gives a freed block of 128 KiB or more back to the kernel (its own
+/// mapping, or a trim of the heap's top), so the next one of that size faults in fresh,
+/// zeroed pages: a 65,536-block route's sequence hashes and held run are 512 KiB each, and
+/// the faults were half of its cost (docs/BENCHMARKS.md, "Hostile clients"). Such blocks
+/// stay in the heap instead (mmap threshold 32 MiB, glibc's largest; up to 64 MiB free at
+/// the heap's top kept), unless the operator set either through the environment.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_large_blocks_mapped() {
+    let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|v| {
+        v.contains("glibc.malloc.mmap_threshold") || v.contains("glibc.malloc.trim_threshold")
+    }) || std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
+        || std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_some();
+    if tuned {
+        return;
+    }
+    // SAFETY: `mallopt` sets two of the allocator's parameters under its own lock; no
+    // pointer is passed and nothing allocated so far is affected.
+    let ok = unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20) == 1
+    };
+    if !ok {
+        tracing::warn!(
+            "malloc's thresholds could not be set: large blocks are unmapped when freed"
+        );
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_large_blocks_mapped() {}
+
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let args_stop_on_eof = args.stop_on_stdin_eof;
     let mut cfg = ServeConfig::resolve(&args)?;
     let fd_limit = raise_fd_limit();
+    keep_large_blocks_mapped();
     let cost = CostConfig {
         overlap_score_credit: cfg.overlap_score_credit,
         prefill_load_scale: cfg.prefill_load_scale,
