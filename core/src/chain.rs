@@ -165,9 +165,16 @@ impl<'a> SequenceChain<'a> {
     }
 
     /// Every sequence hash, the chain spent.
-    pub fn into_vec(mut self) -> Vec<u64> {
+    pub fn into_vec(self) -> Vec<u64> {
+        self.into_parts().1
+    }
+
+    /// Its local hashes (as [`Self::locals`]) and every sequence hash (as
+    /// [`Self::into_vec`]), neither copied.
+    pub fn into_parts(mut self) -> (Option<Cow<'a, [LocalBlockHash]>>, Vec<u64>) {
         self.full();
-        self.known.pop().map(|(_, v)| v).unwrap_or_default()
+        let all = self.known.pop().map(|(_, v)| v).unwrap_or_default();
+        (self.locals, all)
     }
 
     /// Hashes from the end of stretch `k` up to `end` (exclusive), which no other stretch

@@ -111,6 +111,16 @@ pub fn local_hashes_as_u64(hashes: &[LocalBlockHash]) -> &[u64] {
     unsafe { std::slice::from_raw_parts(hashes.as_ptr().cast::<u64>(), hashes.len()) }
 }
 
+/// Local hashes as their raw `u64`s, the allocation kept (no copy).
+pub fn local_hashes_into_u64(hashes: Vec<LocalBlockHash>) -> Vec<u64> {
+    let mut v = std::mem::ManuallyDrop::new(hashes);
+    let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+    // SAFETY: `LocalBlockHash` is `repr(transparent)` over `u64` (same size and alignment),
+    // so the allocation, length and capacity of one vector are those of the other; the
+    // original is never dropped (`ManuallyDrop`), so the allocation has one owner.
+    unsafe { Vec::from_raw_parts(ptr.cast::<u64>(), len, cap) }
+}
+
 /// Length of the common prefix of two slices, compared eight hashes at a time.
 #[inline]
 pub(crate) fn common_prefix(a: &[u64], b: &[u64]) -> usize {
@@ -337,6 +347,19 @@ pub(crate) fn deserialize_u64_or_string<'de, D: Deserializer<'de>>(d: D) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_hashes_become_u64s_in_place() {
+        let v = vec![
+            LocalBlockHash(7),
+            LocalBlockHash(u64::MAX),
+            LocalBlockHash(0),
+        ];
+        let ptr = v.as_ptr() as usize;
+        let u = local_hashes_into_u64(v);
+        assert_eq!(u, [7, u64::MAX, 0]);
+        assert_eq!(u.as_ptr() as usize, ptr);
+    }
 
     #[test]
     fn first_sequence_hash_is_local_hash() {

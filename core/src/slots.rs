@@ -58,12 +58,13 @@
 //! Shedding whole requests keeps every worker's held set a union of whole chains, so it
 //! stays prefix-closed.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 
 use smallvec::SmallVec;
 
 use crate::chain::SequenceChain;
-use crate::hash::{MixBuildHasher, common_prefix, local_hashes_as_u64};
+use crate::hash::{MixBuildHasher, common_prefix, local_hashes_as_u64, local_hashes_into_u64};
 use crate::index::OverlapScores;
 use crate::policy::Candidate;
 use crate::worker::WorkerDp;
@@ -221,15 +222,23 @@ impl HeldRuns {
         let pin = if f.held == p.len() {
             at
         } else {
-            let locals = p
-                .locals()
-                .map(|l| l[f.held..].iter().map(|h| h.0).collect())
-                .unwrap_or_default();
-            let rest = if f.held == 0 {
-                p.into_vec()
+            let (rest, locals) = if f.held == 0 {
+                // A new root: the chain's vectors become the run's (a huge prompt's are
+                // half a MiB each), the local hashes copied only where they were borrowed.
+                let (locals, all) = p.into_parts();
+                let locals = match locals {
+                    Some(Cow::Owned(v)) => local_hashes_into_u64(v),
+                    Some(Cow::Borrowed(l)) => local_hashes_as_u64(l).to_vec(),
+                    None => Vec::new(),
+                };
+                (all, locals)
             } else {
+                let locals = p
+                    .locals()
+                    .map(|l| local_hashes_as_u64(&l[f.held..]).to_vec())
+                    .unwrap_or_default();
                 let n = p.len();
-                p.range(f.held, n).to_vec()
+                (p.range(f.held, n).to_vec(), locals)
             };
             self.attach(at, rest, locals)
         };
@@ -980,7 +989,14 @@ mod tests {
                             prop_assert!(c.hashed() <= blocks.len());
                         }
                         if *chain && *locals {
-                            s.add_chain(&id, worker, SequenceChain::new(&l), 10, now).unwrap();
+                            // Borrowed local hashes (copied into a run) or owned ones (a
+                            // settled decision's: moved into a new root run).
+                            let c: SequenceChain<'_> = if now.is_multiple_of(2) {
+                                SequenceChain::new(&l).into_owned()
+                            } else {
+                                SequenceChain::new(&l)
+                            };
+                            s.add_chain(&id, worker, c, 10, now).unwrap();
                         } else {
                             s.add(&id, worker, blocks.clone(), 10, now).unwrap();
                         }
