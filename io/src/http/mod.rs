@@ -453,7 +453,9 @@ async fn connection(
                 Parsed::Request(req, used, keep_alive) => {
                     buf.drain(..used);
                     let resp = if req.body.len() >= cfg.bulk_body_bytes {
-                        let resp = gate.pass(stats, || gate.after_bulk(|| handler(req))).await;
+                        // The gate counts this handler's whole time, a deferred settle
+                        // it ran included; what it defers itself is flagged after it.
+                        let resp = gate.pass(stats, || handler(req)).await;
                         gate.deferred.set(true);
                         resp
                     } else {
