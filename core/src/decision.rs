@@ -792,6 +792,17 @@ mod tests {
         v.iter().copied().map(LocalBlockHash).collect()
     }
 
+    /// A decider whose slot manager holds at most `blocks` blocks.
+    fn budgeted(blocks: u64) -> Decider {
+        Decider::new(DeciderConfig {
+            limits: Limits {
+                max_active_blocks: blocks,
+                ..Limits::default()
+            },
+            ..Default::default()
+        })
+    }
+
     fn seqs(l: &[LocalBlockHash]) -> SequenceChain<'_> {
         SequenceChain::new(l)
     }
@@ -1251,13 +1262,7 @@ mod tests {
     /// held, and without shedding others' to make room for them.
     #[test]
     fn a_request_freed_unsettled_never_holds() {
-        let mut d = Decider::new(DeciderConfig {
-            limits: Limits {
-                max_active_blocks: 4,
-                ..Limits::default()
-            },
-            ..Default::default()
-        });
+        let mut d = budgeted(4);
         let l = locals(&[1, 2, 3]);
         d.decide(None, &W, route(&l, Some("a")), seqs(&l), 0)
             .unwrap();
@@ -1298,13 +1303,7 @@ mod tests {
 
     #[test]
     fn the_block_budget_sheds_old_requests_never_refuses() {
-        let mut d = Decider::new(DeciderConfig {
-            limits: Limits {
-                max_active_blocks: 5,
-                ..Limits::default()
-            },
-            ..Default::default()
-        });
+        let mut d = budgeted(5);
         let l = locals(&[1, 2, 3]);
         d.decide(None, &W, route(&l, Some("a")), seqs(&l), 0)
             .unwrap();
@@ -1355,13 +1354,7 @@ mod tests {
         );
         assert_eq!(d.free("a"), Ok(W[0]));
         // Past the block budget a replica's request is counted without its blocks.
-        let mut d = Decider::new(DeciderConfig {
-            limits: Limits {
-                max_active_blocks: 6,
-                ..Limits::default()
-            },
-            ..Default::default()
-        });
+        let mut d = budgeted(6);
         assert_eq!(d.apply_replica(add("a"), 0), Ok(W[0]));
         assert_eq!(d.apply_replica(add("b"), 0), Ok(W[0]));
         assert_eq!(d.slots().held_blocks(), 4);
