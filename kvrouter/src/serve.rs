@@ -796,7 +796,7 @@ impl ServeConfig {
 /// stay in the heap instead (mmap threshold 32 MiB, glibc's largest; up to 64 MiB free at
 /// the heap's top kept), unless the operator set either through the environment.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_large_blocks_mapped() {
+fn keep_large_blocks_in_heap() {
     let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|v| {
         v.contains("glibc.malloc.mmap_threshold") || v.contains("glibc.malloc.trim_threshold")
     }) || std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
@@ -818,13 +818,13 @@ fn keep_large_blocks_mapped() {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_large_blocks_mapped() {}
+fn keep_large_blocks_in_heap() {}
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let args_stop_on_eof = args.stop_on_stdin_eof;
     let mut cfg = ServeConfig::resolve(&args)?;
     let fd_limit = raise_fd_limit();
-    keep_large_blocks_mapped();
+    keep_large_blocks_in_heap();
     let cost = CostConfig {
         overlap_score_credit: cfg.overlap_score_credit,
         prefill_load_scale: cfg.prefill_load_scale,
