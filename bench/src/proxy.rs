@@ -77,6 +77,12 @@ pub struct ProxyBench {
     /// (0: the same "hello" in every request, so that every body is the same).
     #[arg(long, default_value_t = 0)]
     pub question_words: usize,
+    /// Appends every measured request to this file, one line each: target, rate, the
+    /// send time (µs after the phase's start, warm-up included), TTFT (µs) and the
+    /// client connection. Stalls that recur at a period show there as slow requests at
+    /// that period, which percentiles hide.
+    #[arg(long)]
+    pub latency_log: Option<PathBuf>,
     /// Dynamo's venv (`../shared/dynamo/setup.sh`): measure its frontend too.
     #[arg(long)]
     pub dynamo_venv: Option<PathBuf>,
@@ -183,15 +189,19 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
+/// One measured request: when it was due (µs after the phase's start), its TTFT (ns) and
+/// its connection.
+type Sample = (u64, u64, usize);
+
 /// An open-loop load at `rate` on `connections` keep-alive connections to `addr`: one
-/// second of warm-up, then `seconds` measured.
+/// second of warm-up, then `seconds` measured. The samples come back in no order.
 fn load(
     addr: &str,
     rate: f64,
     seconds: f64,
     connections: usize,
     bodies: &Arc<Vec<(Vec<u8>, Vec<u8>)>>,
-) -> anyhow::Result<(Vec<u64>, u64, u64, f64, u64)> {
+) -> anyhow::Result<(Vec<Sample>, u64, u64, f64, u64)> {
     let warm = Duration::from_secs(1);
     let start = Instant::now() + Duration::from_millis(100);
     let total = warm + Duration::from_secs_f64(seconds);
@@ -199,7 +209,7 @@ fn load(
     let threads: Vec<_> = (0..connections)
         .map(|i| {
             let (addr, bodies) = (addr.to_owned(), Arc::clone(bodies));
-            std::thread::spawn(move || -> (Vec<u64>, u64, u64, Instant, u64) {
+            std::thread::spawn(move || -> (Vec<Sample>, u64, u64, Instant, u64) {
                 let (mut lat, mut errors, mut late) = (Vec::new(), 0u64, 0u64);
                 let mut conn = None;
                 let mut buf = Vec::new();
@@ -233,7 +243,7 @@ fn load(
                         Ok(t) => {
                             done += 1;
                             if at >= start + warm {
-                                lat.push(t);
+                                lat.push(((at - start).as_micros() as u64, t, i));
                             }
                         }
                         Err(_) => {
@@ -260,7 +270,6 @@ fn load(
         errors += e;
         late += s;
     }
-    lat.sort_unstable();
     // Over the measured window as it really ran: a client that fell behind ran longer.
     let window = last
         .saturating_duration_since(start + warm)
@@ -273,11 +282,18 @@ fn load(
 fn phase(
     target: &'static str,
     rate: f64,
-    (lat, errors, late, rps, all): (Vec<u64>, u64, u64, f64, u64),
+    (samples, errors, late, rps, all): (Vec<Sample>, u64, u64, f64, u64),
     cpu: Option<f64>,
-) -> Phase {
+    log: Option<&Path>,
+) -> anyhow::Result<Phase> {
+    if let Some(path) = log {
+        write_samples(path, target, rate, &samples)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let mut lat: Vec<u64> = samples.iter().map(|s| s.1).collect();
+    lat.sort_unstable();
     let requests = lat.len() as u64;
-    Phase {
+    Ok(Phase {
         target,
         rate,
         requests,
@@ -288,7 +304,23 @@ fn phase(
         ttft_p99_us: percentile(&lat, 0.99) as f64 / 1e3,
         // The CPU time covers the warm-up too: divided by every request answered.
         cpu_ms_per_request: cpu.map(|c| c * 1e3 / all.max(1) as f64),
+    })
+}
+
+/// Appends a phase's samples to the latency log, in the order they were due.
+fn write_samples(path: &Path, target: &str, rate: f64, samples: &[Sample]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut sorted = samples.to_vec();
+    sorted.sort_unstable();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let mut w = std::io::BufWriter::new(file);
+    for (at_us, ttft_ns, conn) in sorted {
+        writeln!(w, "{target} {rate} {at_us} {} {conn}", ttft_ns / 1000)?;
     }
+    w.flush()
 }
 
 /// The requests every phase sends, each with its HTTP head: one system prompt of `words`
@@ -362,17 +394,18 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
     let mut out = Vec::new();
     for &rate in &cfg.rates {
         let direct = load(&engine, rate, cfg.seconds, cfg.connections, &bodies)?;
-        out.push(phase("direct", rate, direct, None));
+        let log = cfg.latency_log.as_deref();
+        out.push(phase("direct", rate, direct, None, log)?);
         let c0 = cpu_s(kv.0.id());
         let r = load(&openai, rate, cfg.seconds, cfg.connections, &bodies)?;
         // The warm-up second is in the CPU time too: scale to the measured window.
         let c = cpu_s(kv.0.id()) - c0;
-        out.push(phase("kvrouter", rate, r, Some(c)));
+        out.push(phase("kvrouter", rate, r, Some(c), log)?);
         if let Some(d) = &dynamo {
             let c0 = cpu_s(d.frontend.0.id());
             let r = load(&d.addr, rate, cfg.seconds, cfg.connections, &bodies)?;
             let c = cpu_s(d.frontend.0.id()) - c0;
-            out.push(phase("dynamo", rate, r, Some(c)));
+            out.push(phase("dynamo", rate, r, Some(c), log)?);
         }
     }
     stop.store(true, Ordering::Relaxed);
