@@ -17,6 +17,8 @@
 //!   session affinity), on the routing API's executor and state.
 //! * `routing` (crate-private): what a front asks of the routing state, the seam that lets
 //!   `router` start `proxy` without `proxy` importing `router`.
+//! * `threads` (crate-private): background threads give way to the executors
+//!   (`SCHED_IDLE`).
 //! * [`throttle`]: rate-limited warnings.
 //!
 //! **Architecture Invariant:** `io` depends on `core`, never the other way round.
@@ -29,6 +31,7 @@ pub mod proxy;
 pub mod router;
 mod routing;
 pub mod snapshot;
+mod threads;
 pub mod throttle;
 pub mod worker;
 pub mod zmq;

@@ -37,7 +37,9 @@
 //! is compared the same way on a thread of the card's own, so that the check never delays a
 //! request (a whole encoding on the front's executor would stall every stream it relays: it
 //! showed in the added p99); a difference found there turns pieces off for the prompts that
-//! follow. Samples that find the checker busy are skipped and counted. Cached pieces are
+//! follow. The checker runs as `SCHED_IDLE` (`crate::threads`): woken at the default
+//! class, it took the front's CPU for the whole encoding. Samples that find the checker
+//! busy are skipped and counted. Cached pieces are
 //! found by a hash under a per-process random key and confirmed by comparing their text.
 //!
 //! **Memory.** Bounded by `capacity` bytes (the text and the ids of each piece), least
@@ -220,6 +222,7 @@ impl Pieces {
             std::thread::Builder::new()
                 .name("kvrouter-tok-check".into())
                 .spawn(move || {
+                    crate::threads::run_as_background();
                     while let Ok((text, special, pieces)) = rx.recv() {
                         if let Ok(e) = tok.encode_fast(&*text, special) {
                             shared.check(e.get_ids(), &pieces, text.len());
