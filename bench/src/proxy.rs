@@ -189,6 +189,9 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
+/// The request bodies, each with its HTTP head.
+type Bodies = Arc<Vec<(Vec<u8>, Vec<u8>)>>;
+
 /// One measured request: when it was due (µs after the phase's start), its TTFT (ns) and
 /// its connection.
 type Sample = (u64, u64, usize);
@@ -200,7 +203,7 @@ fn load(
     rate: f64,
     seconds: f64,
     connections: usize,
-    bodies: &Arc<Vec<(Vec<u8>, Vec<u8>)>>,
+    (bodies, first): (&Bodies, usize),
 ) -> anyhow::Result<(Vec<Sample>, u64, u64, f64, u64)> {
     let warm = Duration::from_secs(1);
     let start = Instant::now() + Duration::from_millis(100);
@@ -236,9 +239,10 @@ fn load(
                         errors += 1;
                         continue;
                     };
-                    // Connection i sends bodies i, i + connections, ...: each once per
-                    // cycle of the list.
-                    let (head, body) = &bodies[(i + (k as usize - 1) * connections) % bodies.len()];
+                    // Connection i sends bodies first + i, first + i + connections, ...:
+                    // each once per cycle of the list.
+                    let at_body = first + i + (k as usize - 1) * connections;
+                    let (head, body) = &bodies[at_body % bodies.len()];
                     match one(c, head, body, &mut buf) {
                         Ok(t) => {
                             done += 1;
@@ -323,19 +327,20 @@ fn write_samples(path: &Path, target: &str, rate: f64, samples: &[Sample]) -> st
     w.flush()
 }
 
-/// The requests every phase sends, each with its HTTP head: one system prompt of `words`
-/// words, and a question of `question_words` words different in each of 4,096 bodies
+/// The requests the phases send, each with its HTTP head: one system prompt of `words`
+/// words, and a question of `question_words` words different in each of `n` bodies
 /// ("hello" in one body when 0).
-fn request_bodies(words: usize, question_words: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn request_bodies(words: usize, question_words: usize, n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     let system: String = (0..words).map(|i| format!("w{} ", i % 97)).collect();
-    let n = if question_words == 0 { 1 } else { 4096 };
+    let n = if question_words == 0 { 1 } else { n };
     (0..n)
         .map(|q| {
             let question = if question_words == 0 {
                 "hello".to_owned()
             } else {
-                (0..question_words)
-                    .map(|i| format!("q{} ", (q * 131 + i * 17) % 4099))
+                // The first word makes each question its own.
+                std::iter::once(format!("n{q} "))
+                    .chain((1..question_words).map(|i| format!("q{} ", (q * 131 + i * 17) % 4099)))
                     .collect()
             };
             let body = serde_json::to_vec(&serde_json::json!({
@@ -355,7 +360,28 @@ fn request_bodies(words: usize, question_words: usize) -> Vec<(Vec<u8>, Vec<u8>)
 
 /// Runs every phase at every rate: direct, through kvrouter, and (with a venv) Dynamo.
 pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
-    let bodies = Arc::new(request_bodies(cfg.prompt_words, cfg.question_words));
+    // With questions, every request a phase sends, warm-up included, is one no earlier
+    // phase sent: kvrouter's piece cache would otherwise answer a later phase's questions
+    // from an earlier one's (or from its own warm-up at high rates), and the measured
+    // window would see none of them new. Each rate gets its own range of bodies.
+    let per_rate: Vec<usize> = cfg
+        .rates
+        .iter()
+        .map(|&r| (r * (cfg.seconds + 1.0)).ceil() as usize + cfg.connections)
+        .collect();
+    let bodies = Arc::new(request_bodies(
+        cfg.prompt_words,
+        cfg.question_words,
+        per_rate.iter().sum(),
+    ));
+    let firsts: Vec<usize> = per_rate
+        .iter()
+        .scan(0, |at, &n| {
+            let first = *at;
+            *at += n;
+            Some(first)
+        })
+        .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let engine = mock_engine(Arc::clone(&stop))?;
     let openai = format!("127.0.0.1:{}", free_port()?);
@@ -392,18 +418,19 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
         None => None,
     };
     let mut out = Vec::new();
-    for &rate in &cfg.rates {
-        let direct = load(&engine, rate, cfg.seconds, cfg.connections, &bodies)?;
+    for (&rate, &first) in cfg.rates.iter().zip(&firsts) {
+        let bodies = (&bodies, first);
+        let direct = load(&engine, rate, cfg.seconds, cfg.connections, bodies)?;
         let log = cfg.latency_log.as_deref();
         out.push(phase("direct", rate, direct, None, log)?);
         let c0 = cpu_s(kv.0.id());
-        let r = load(&openai, rate, cfg.seconds, cfg.connections, &bodies)?;
+        let r = load(&openai, rate, cfg.seconds, cfg.connections, bodies)?;
         // The warm-up second is in the CPU time too: scale to the measured window.
         let c = cpu_s(kv.0.id()) - c0;
         out.push(phase("kvrouter", rate, r, Some(c), log)?);
         if let Some(d) = &dynamo {
             let c0 = cpu_s(d.frontend.0.id());
-            let r = load(&d.addr, rate, cfg.seconds, cfg.connections, &bodies)?;
+            let r = load(&d.addr, rate, cfg.seconds, cfg.connections, bodies)?;
             let c = cpu_s(d.frontend.0.id()) - c0;
             out.push(phase("dynamo", rate, r, Some(c), log)?);
         }
