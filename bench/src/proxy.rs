@@ -286,10 +286,11 @@ fn load(
 fn phase(
     target: &'static str,
     rate: f64,
-    (samples, errors, late, rps, all): (Vec<Sample>, u64, u64, f64, u64),
+    (mut samples, errors, late, rps, all): (Vec<Sample>, u64, u64, f64, u64),
     cpu: Option<f64>,
     log: Option<&Path>,
 ) -> anyhow::Result<Phase> {
+    samples.sort_unstable();
     if let Some(path) = log {
         write_samples(path, target, rate, &samples)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -311,17 +312,14 @@ fn phase(
     })
 }
 
-/// Appends a phase's samples to the latency log, in the order they were due.
+/// Appends a phase's samples (in the order they were due) to the latency log.
 fn write_samples(path: &Path, target: &str, rate: f64, samples: &[Sample]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    let mut sorted = samples.to_vec();
-    sorted.sort_unstable();
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)?;
     let mut w = std::io::BufWriter::new(file);
-    for (at_us, ttft_ns, conn) in sorted {
+    for &(at_us, ttft_ns, conn) in samples {
         writeln!(w, "{target} {rate} {at_us} {} {conn}", ttft_ns / 1000)?;
     }
     w.flush()
@@ -418,10 +416,10 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
         None => None,
     };
     let mut out = Vec::new();
+    let log = cfg.latency_log.as_deref();
     for (&rate, &first) in cfg.rates.iter().zip(&firsts) {
         let bodies = (&bodies, first);
         let direct = load(&engine, rate, cfg.seconds, cfg.connections, bodies)?;
-        let log = cfg.latency_log.as_deref();
         out.push(phase("direct", rate, direct, None, log)?);
         let c0 = cpu_s(kv.0.id());
         let r = load(&openai, rate, cfg.seconds, cfg.connections, bodies)?;

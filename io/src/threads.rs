@@ -6,13 +6,14 @@
 //! that slept for a while is, and then lets it run for a slice. Measured through the
 //! OpenAI front at 5,000 requests/s on two shared vCPUs (docs/BENCHMARKS.md, "The
 //! checker's stall"), the piece cache's checker, woken for one prompt in 256, stalled the
-//! front for about 0.6 ms every 51.2 ms: most of the requests slower than 500 µs fell in
-//! those stalls.
+//! front for about 0.6 ms every 51.2 ms: a third to three fifths of the requests slower
+//! than 500 µs fell in those stalls (two runs).
 //!
 //! Work that no request waits for therefore runs as `SCHED_IDLE`: such a thread never
 //! preempts another class, an executor that wakes up preempts it at once, and it runs on
 //! CPU time nobody else wants. It is not starved: `SCHED_IDLE` has a small weight of its
-//! own (about 0.3 % of a CPU that a nice-0 thread also wants), so a short job still ends
+//! own (by the kernel's weights, 3 against a nice-0 thread's 1,024: about 0.3 % of a CPU
+//! that such a thread also wants), so a short job still ends
 //! under full load, later. Threads that a request waits for (the tokenizer pool) keep the
 //! default class: a request behind them must not wait on spare CPU.
 
@@ -40,7 +41,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_background_thread_runs_idle_and_still_runs() {
+    fn a_background_thread_runs_idle_and_others_keep_their_class() {
         let policy = std::thread::spawn(|| {
             run_as_background();
             // SAFETY: a plain query of the calling thread's policy.
