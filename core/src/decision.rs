@@ -33,7 +33,9 @@
 use crate::chain::SequenceChain;
 use crate::codec::replica::{ActiveSequenceEvent, ActiveSequenceEventData};
 use crate::hash::LocalBlockHash;
-use crate::index::{ApproxConfig, ApproxIndex, Index, OverlapScores, TierScores, TreeReader};
+use crate::index::{
+    ApproxConfig, ApproxIndex, Index, OverlapScores, PoolReaders, TierScores, TreeReader,
+};
 use crate::policy::{CostConfig, Formula, Rng, Scored, choose, score};
 use crate::prefill::PrefillTimes;
 use crate::slots::{SlotError, Slots};
@@ -331,6 +333,8 @@ pub struct Decider {
     /// Keep settled decisions' sequence hashes for [`Decider::take_settled`].
     keep_settled: bool,
     settled: Vec<Settled>,
+    /// Which workers read which shared pools ([`Decider::set_pool_readers`]).
+    pool_readers: PoolReaders,
 }
 
 /// A decision whose blocks were held, with all its sequence hashes: what replica sync
@@ -377,6 +381,7 @@ impl Decider {
             pending: None,
             keep_settled: false,
             settled: Vec::new(),
+            pool_readers: PoolReaders::new(),
             cfg,
         }
     }
@@ -389,6 +394,12 @@ impl Decider {
         if !on {
             self.settled.clear();
         }
+    }
+
+    /// Which workers read which shared pools: from now on a pool with a rule earns its
+    /// credit only on its readers' candidates (`crate::index::tiers`, "Who reads a pool").
+    pub fn set_pool_readers(&mut self, readers: PoolReaders) {
+        self.pool_readers = readers;
     }
 
     /// The decisions settled since the last call, oldest first ([`Self::keep_settled`]).
@@ -491,6 +502,7 @@ impl Decider {
             }
         };
         index.tier_overlaps_into(locals, paths, &self.overlaps, &mut self.tiers);
+        self.tiers.scope(&self.pool_readers);
     }
 
     fn look_up(&mut self, index: Option<&dyn Lookup>, locals: &[LocalBlockHash], now_ms: u64) {
@@ -1217,6 +1229,69 @@ mod tests {
         let (device, tiers) = d.tier_overlaps(Some(&idx), &l, None, 0);
         assert_eq!((device.get(W[1]), tiers.shared_beyond(3)), (3, 1));
         assert_eq!(tiers.shared_beyond(0), 4);
+    }
+
+    #[test]
+    fn a_pool_with_readers_is_credited_to_its_readers_only() {
+        // Worker 2 holds 3 of the 4 blocks on the device. Source 9's pool holds all 4 and
+        // is read by worker 3 alone; source 10's holds the first 2 and every worker reads
+        // it. Past its device prefix: worker 1 reads 2 pool blocks (source 10's), worker 2
+        // none, worker 3 all 4 (blocks both pools hold count once).
+        let mut idx = crate::index::TreeIndex::new(2);
+        let l = locals(&[1, 2, 3, 4]);
+        let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
+            l.iter().copied().zip(sequence_hashes(&l)).collect();
+        idx.apply(RouterEvent::new(
+            2,
+            KvCacheEvent::stored(0, 0, None, blocks[..3].to_vec()),
+        ))
+        .unwrap();
+        for (source, n) in [(9, 4), (10, 2)] {
+            let mut e = RouterEvent::new(
+                source,
+                KvCacheEvent::stored(0, 0, None, blocks[..n].to_vec()),
+            );
+            e.residency_domain = Some(crate::event::ResidencyDomain::CacheOwner);
+            e.storage_tier = crate::worker::StorageTier::External;
+            idx.apply(e).unwrap();
+        }
+        let mut readers = PoolReaders::new();
+        readers.add_rule("9=3").unwrap();
+        let mut d = Decider::new(DeciderConfig {
+            cost: CostConfig {
+                shared_cache_multiplier: 0.5,
+                ..CostConfig::default()
+            },
+            block_size: 16,
+            ..Default::default()
+        });
+        d.set_pool_readers(readers);
+        let out = d
+            .decide(Some(&idx), &W, route(&l, None), seqs(&l), 0)
+            .unwrap();
+        let beyond: Vec<u32> = out
+            .scored
+            .unwrap()
+            .iter()
+            .map(|s| s.candidate.shared_beyond_blocks)
+            .collect();
+        assert_eq!(beyond, [2, 0, 4]);
+        let (device, tiers) = d.tier_overlaps(Some(&idx), &l, None, 0);
+        assert_eq!(device.get(W[1]), 3);
+        assert!(tiers.has_scoped());
+        // The pools every worker reads: source 10's 2 blocks.
+        assert_eq!(tiers.shared_beyond(0), 2);
+        assert_eq!(tiers.shared_beyond_for(W[2], 1), 3);
+        // Without the rule every worker reads both: 4, 1, 4.
+        d.set_pool_readers(PoolReaders::new());
+        let (_, tiers) = d.tier_overlaps(Some(&idx), &l, None, 0);
+        assert!(!tiers.has_scoped());
+        let all: Vec<u32> = [0, 3, 0]
+            .iter()
+            .zip(W)
+            .map(|(&from, w)| tiers.shared_beyond_for(w, from))
+            .collect();
+        assert_eq!(all, [4, 1, 4]);
     }
 
     /// A decision left unsettled is settled by the next one before it walks: the next turn

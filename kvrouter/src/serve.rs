@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use kvrouter_core::codec::Subjects;
 use kvrouter_core::decision::{Limits, Selection};
+use kvrouter_core::index::PoolReaders;
 use kvrouter_core::policy::{CostConfig, Formula, Herd};
 use kvrouter_core::prefill::Prior;
 use kvrouter_core::worker::WorkerDp;
@@ -211,6 +212,11 @@ pub(crate) struct ServeArgs {
     /// Credit per shared-pool block beyond the worker's own (Dynamo without a shared cache: 0).
     #[arg(long, env = "KVROUTER_SHARED_CACHE_MULTIPLIER")]
     shared_cache_multiplier: Option<f64>,
+    /// Who reads a shared pool: `SOURCE=WORKER[,WORKER...]` (worker ids), repeatable; in
+    /// the environment, rules separated by `;`. A pool without a rule is read by every
+    /// worker.
+    #[arg(long, env = "KVROUTER_POOL_READERS", value_delimiter = ';')]
+    pool_readers: Option<Vec<String>>,
     /// Softmax temperature (0: lowest cost).
     #[arg(long, env = "KVROUTER_TEMPERATURE")]
     temperature: Option<f64>,
@@ -361,6 +367,7 @@ pub(crate) struct ServeConfig {
     host_cache_hit_weight: f64,
     disk_cache_hit_weight: f64,
     shared_cache_multiplier: f64,
+    pool_readers: Vec<String>,
     temperature: f64,
     cost_formula: Formula,
     credit_inflight: bool,
@@ -443,6 +450,7 @@ impl Default for ServeConfig {
             host_cache_hit_weight: cost.host_cache_hit_weight,
             disk_cache_hit_weight: cost.disk_cache_hit_weight,
             shared_cache_multiplier: cost.shared_cache_multiplier,
+            pool_readers: Vec::new(),
             temperature: cost.temperature,
             cost_formula: cost.formula,
             credit_inflight: cost.credit_inflight,
@@ -634,6 +642,7 @@ impl ServeConfig {
             host_cache_hit_weight,
             disk_cache_hit_weight,
             shared_cache_multiplier,
+            pool_readers,
             temperature,
             cost_formula,
             credit_inflight,
@@ -672,6 +681,8 @@ impl ServeConfig {
             dynamo_frontend,
             session_header
         );
+        // A bad rule fails the start, before anything is connected.
+        cfg.pool_readers()?;
         Ok(cfg)
     }
 
@@ -773,6 +784,14 @@ impl ServeConfig {
             session_ttl: Duration::from_secs(self.session_ttl_secs),
             ..d
         }))
+    }
+
+    fn pool_readers(&self) -> anyhow::Result<PoolReaders> {
+        let mut r = PoolReaders::new();
+        for rule in self.pool_readers.iter().filter(|s| !s.trim().is_empty()) {
+            r.add_rule(rule)?;
+        }
+        Ok(r)
     }
 
     fn static_workers(&self) -> anyhow::Result<Vec<WorkerDp>> {
@@ -979,6 +998,7 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         auth_token: cfg.auth_token.clone(),
         seed: cfg.seed,
         static_workers: cfg.static_workers()?,
+        pool_readers: cfg.pool_readers()?,
         proxy,
         ..RouterConfig::default()
     };
@@ -1303,5 +1323,45 @@ mod tests {
         let cli = Cli::try_parse_from(["x", "--remember-decisions-secs", "600"]).unwrap();
         let cfg = ServeConfig::resolve(&cli.serve).unwrap();
         assert_eq!(cfg.remember_decisions_secs, 600);
+    }
+
+    #[test]
+    fn pool_readers_from_toml_and_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        assert!(ServeConfig::default().pool_readers().unwrap().is_empty());
+        let cfg: ServeConfig = toml::from_str("pool_readers = [\"9=1,2\", \"10=3\"]").unwrap();
+        let r = cfg.pool_readers().unwrap();
+        assert_eq!(
+            (r.readers(9), r.readers(10)),
+            (Some(&[1, 2][..]), Some(&[3][..]))
+        );
+        let cli = Cli::try_parse_from(["x", "--pool-readers", "9=1", "--pool-readers", "10=2,3"])
+            .unwrap();
+        let r = ServeConfig::resolve(&cli.serve)
+            .unwrap()
+            .pool_readers()
+            .unwrap();
+        assert_eq!(
+            (r.readers(9), r.readers(10)),
+            (Some(&[1][..]), Some(&[2, 3][..]))
+        );
+        // The environment's form: rules separated by `;`.
+        let cli = Cli::try_parse_from(["x", "--pool-readers", "9=1;10=2,3"]).unwrap();
+        let r = ServeConfig::resolve(&cli.serve)
+            .unwrap()
+            .pool_readers()
+            .unwrap();
+        assert_eq!(r.readers(10), Some(&[2, 3][..]));
+        // A bad rule fails the start with the rule named.
+        for bad in ["9", "9=a", "9=1;9=2"] {
+            let cli = Cli::try_parse_from(["x", "--pool-readers", bad]).unwrap();
+            let e = ServeConfig::resolve(&cli.serve).unwrap_err();
+            assert!(e.to_string().contains("pool readers"), "{e}");
+        }
     }
 }

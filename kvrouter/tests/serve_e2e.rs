@@ -629,6 +629,16 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
     // block 5: past worker 11's device prefix it holds 5 of the 6, past worker 12's all 7.
     let server = NatsServer::start();
     let r = router(&server.url(), &["--shared-cache-multiplier", "0.5"]);
+    // A second router is told that only worker 12 reads source 99's pool.
+    let scoped = router(
+        &server.url(),
+        &[
+            "--shared-cache-multiplier",
+            "0.5",
+            "--pool-readers",
+            "99=12",
+        ],
+    );
     let prompt: Vec<u32> = (7000..7128).collect();
     let l = local_block_hashes(&prompt, 16, &HashOptions::default());
     let chain: Vec<(LocalBlockHash, SequenceBlockHash)> =
@@ -688,6 +698,36 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
     };
     assert_eq!(credit(11), (Some(5), Some(2.5), Some(4.5)), "{v}");
     assert_eq!(credit(12), (Some(7), Some(3.5), Some(3.5)), "{v}");
+
+    // With the rule, worker 11 gets no pool credit and worker 12 all 7 blocks: it is listed
+    // for them, and the top-level figure (pools every worker reads) is gone.
+    let want = serde_json::json!([
+        {"worker_id": 11, "dp_rank": 0, "blocks": 2},
+        {"worker_id": 12, "dp_rank": 0, "blocks": 0, "shared_blocks": 7},
+    ]);
+    wait_until("the scoped router ingested", || {
+        let (_, v) = json(http(&scoped.addr, "POST", "/v1/overlaps", &query, &[]));
+        v["overlaps"] == want
+    });
+    let (_, v) = json(http(&scoped.addr, "POST", "/v1/overlaps", &query, &[]));
+    assert_eq!(v.get("shared_blocks"), None, "{v}");
+    let (status, v) = json(http(&scoped.addr, "POST", "/v1/route", &body, &[]));
+    assert_eq!(status, 200, "{v}");
+    // Worker 11: 2 device blocks; worker 12: 0.5 × 7 = 3.5.
+    assert_eq!(v["worker_id"], 12, "{v}");
+    let credit = |w: u64| {
+        let c = v["candidates"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["worker"]["worker_id"] == w))
+            .unwrap_or_else(|| panic!("{v}"))
+            .clone();
+        (
+            c["shared_beyond_blocks"].as_u64(),
+            c["overlap_credit_blocks"].as_f64(),
+        )
+    };
+    assert_eq!(credit(11), (Some(0), Some(2.0)), "{v}");
+    assert_eq!(credit(12), (Some(7), Some(3.5)), "{v}");
 }
 
 /// A supervisor that closes the router's stdout before the banner is written must not

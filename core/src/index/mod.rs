@@ -66,7 +66,7 @@ pub mod tree;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use reference::ReferenceIndex;
-pub use tiers::{LowerTiers, TierOverlap, TierScores};
+pub use tiers::{LowerTiers, PoolReaders, PoolReadersError, TierOverlap, TierScores};
 pub use tree::{ShardWriter, TreeIndex, TreeReader};
 
 use crate::event::RouterEvent;

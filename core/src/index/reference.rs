@@ -475,15 +475,12 @@ impl Index for ReferenceIndex {
     ) {
         out.clear();
         // Shared pools: position `i` is a hit when a pool holds the block at `query[..=i]`.
-        if !self.pool.is_empty() {
-            let held: std::collections::HashSet<&[LocalBlockHash]> = self
-                .pool
-                .values()
-                .flat_map(|m| m.values().map(Vec::as_slice))
-                .collect();
+        for (&source, names) in &self.pool {
+            let held: std::collections::HashSet<&[LocalBlockHash]> =
+                names.values().map(Vec::as_slice).collect();
             for i in 0..query.len() {
                 if held.contains(&query[..=i]) {
-                    out.mark_shared(i, query.len());
+                    out.mark_shared(i, query.len(), source);
                 }
             }
         }

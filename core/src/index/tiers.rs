@@ -65,7 +65,8 @@
 //! is `cache_owner` (Dynamo's wire name for blocks owned by a cache rather than by a
 //! worker's serving lifetime) are kept here, keyed by path hash like the lower tiers, per
 //! publishing source (the event's worker id and dp rank), and never make their publisher a
-//! routing candidate. Every worker reads every pool block. Dynamo 1.6.1 itself files
+//! routing candidate. Every worker reads every pool block unless told otherwise (below,
+//! "Who reads a pool"). Dynamo 1.6.1 itself files
 //! `cache_owner` blocks under the lower tier they name and credits them to the one worker
 //! its discovery layer attaches the owner to; a fleet whose owners are private to one
 //! worker should leave `shared_cache_multiplier` at its default, 0, which turns the credit
@@ -74,6 +75,22 @@
 //! blocks (as Dynamo's scoped clear keeps cache-owner residency), a `cache_owner` clear
 //! drops them, and so does the source leaving the fleet. Snapshots keep the pool (format
 //! version 3, [`crate::snapshot`]).
+//!
+//! ## Who reads a pool
+//!
+//! A pool need not serve the whole fleet: LMCache's local disk backend or a node's CPU
+//! store serves the workers of one node, and Dynamo 1.6.1 credits a `cache_owner` block to
+//! the one worker its discovery attaches the owner to. [`PoolReaders`] (`kvrouter serve
+//! --pool-readers SOURCE=WORKER,...`) names the readers of a source's pool; a source
+//! without a rule is read by every worker, as before. Each shard keeps its pool's path
+//! hashes per source, so a lookup marks, per source, which request positions its pool holds
+//! (one bit each in [`TierScores`]; one pass over the request per source, and a fleet has
+//! few pools). [`TierScores::scope`] then splits them: the pools every worker reads keep
+//! the one suffix count ([`TierScores::shared_beyond`]), and a worker's own count
+//! ([`TierScores::shared_beyond_for`]) is the union of those and of the pools it reads,
+//! so a block two of its pools hold counts once, as one position. Without rules nothing is
+//! split and the counts are those of the paragraph above. The rule is per worker id (every
+//! dp rank of the source and of the reader): a pool is a process's, not a rank's.
 
 use std::collections::HashMap;
 
@@ -81,7 +98,7 @@ use smallvec::SmallVec;
 
 use crate::hash::{LocalBlockHash, MixBuildHasher, SequenceBlockHash, next_sequence_hash};
 use crate::index::OverlapScores;
-use crate::worker::{StorageTier, WorkerDp};
+use crate::worker::{StorageTier, WorkerDp, WorkerId};
 
 type Map<K, V> = HashMap<K, V, MixBuildHasher>;
 
@@ -112,6 +129,79 @@ impl TierOverlap {
     }
 }
 
+/// Which workers read which shared pools (see the [module docs](self), "Who reads a
+/// pool"): per source worker id, the worker ids that read its pool. A source not listed is
+/// read by every worker; the rule is per worker id, every dp rank of either side.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolReaders {
+    /// `(source, readers)`, sorted by source; readers sorted and distinct.
+    by_source: Vec<(WorkerId, Vec<WorkerId>)>,
+}
+
+/// A pool-readers rule that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "pool readers {spec:?}: {why} (expected SOURCE=WORKER[,WORKER...], worker ids as integers)"
+)]
+pub struct PoolReadersError {
+    /// The rule as given.
+    pub spec: String,
+    /// What is wrong with it.
+    pub why: &'static str,
+}
+
+impl PoolReaders {
+    /// No rule: every worker reads every pool.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether no source has a rule.
+    pub fn is_empty(&self) -> bool {
+        self.by_source.is_empty()
+    }
+
+    /// Sets who reads `source`'s pool (replacing an earlier rule for it). An empty list
+    /// makes a pool that no worker reads.
+    pub fn set(&mut self, source: WorkerId, readers: impl IntoIterator<Item = WorkerId>) {
+        let mut readers: Vec<WorkerId> = readers.into_iter().collect();
+        readers.sort_unstable();
+        readers.dedup();
+        match self.by_source.binary_search_by_key(&source, |e| e.0) {
+            Ok(i) => self.by_source[i].1 = readers,
+            Err(i) => self.by_source.insert(i, (source, readers)),
+        }
+    }
+
+    /// Adds one rule, `SOURCE=WORKER[,WORKER...]` (as `--pool-readers` takes it).
+    pub fn add_rule(&mut self, spec: &str) -> Result<(), PoolReadersError> {
+        let err = |why| PoolReadersError {
+            spec: spec.to_owned(),
+            why,
+        };
+        let (source, readers) = spec.split_once('=').ok_or_else(|| err("no '='"))?;
+        let source: WorkerId = source.trim().parse().map_err(|_| err("bad source id"))?;
+        let readers = readers
+            .split(',')
+            .map(|r| r.trim().parse::<WorkerId>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| err("bad reader id"))?;
+        if self.readers(source).is_some() {
+            return Err(err("a second rule for the same source"));
+        }
+        self.set(source, readers);
+        Ok(())
+    }
+
+    /// The workers that read `source`'s pool; `None` when every worker does.
+    pub fn readers(&self, source: WorkerId) -> Option<&[WorkerId]> {
+        self.by_source
+            .binary_search_by_key(&source, |e| e.0)
+            .ok()
+            .map(|i| self.by_source[i].1.as_slice())
+    }
+}
+
 /// Per worker, its [`TierOverlap`] when not zero, sorted by worker; and the request's
 /// shared-pool blocks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -119,8 +209,15 @@ pub struct TierScores {
     scores: Vec<(WorkerDp, TierOverlap)>,
     /// Before [`Self::finish`]: per request position, 1 where a shared pool holds it (each
     /// shard marks its pool's). After: the pool blocks at or past each position, one entry
-    /// more than the request has positions. Empty when no pool holds any.
+    /// more than the request has positions; after [`Self::scope`] with a rule that applies,
+    /// only the blocks of the pools every worker reads. Empty when no pool holds any.
     shared: Vec<u32>,
+    /// Per pool source, the request positions it holds (one bit each), in the order marked.
+    marks: SmallVec<[(WorkerDp, Vec<u64>); 2]>,
+    /// After [`Self::scope`]: the pools with readers, their positions and their readers; and
+    /// the positions of the pools every worker reads. Empty without such a pool.
+    scoped: Vec<(Vec<u64>, Vec<WorkerId>)>,
+    open: Vec<u64>,
 }
 
 impl TierScores {
@@ -133,14 +230,51 @@ impl TierScores {
     pub fn clear(&mut self) {
         self.scores.clear();
         self.shared.clear();
+        self.marks.clear();
+        self.scoped.clear();
+        self.open.clear();
     }
 
-    /// Marks request position `i` of `n` as held by a shared pool.
-    pub(crate) fn mark_shared(&mut self, i: usize, n: usize) {
+    /// Marks request position `i` of `n` as held by `source`'s shared pool.
+    pub(crate) fn mark_shared(&mut self, i: usize, n: usize, source: WorkerDp) {
         if self.shared.len() < n {
             self.shared.resize(n, 0);
         }
         self.shared[i] = 1;
+        let at = match self.marks.iter().position(|m| m.0 == source) {
+            Some(at) => at,
+            None => {
+                self.marks.push((source, vec![0; n.div_ceil(64)]));
+                self.marks.len() - 1
+            }
+        };
+        self.marks[at].1[i / 64] |= 1 << (i % 64);
+    }
+
+    /// Applies `readers` after [`Self::finish`]: the blocks of a pool with a rule count only
+    /// for its readers ([`Self::shared_beyond_for`]); [`Self::shared_beyond`] then counts the
+    /// pools every worker reads. Nothing changes when no rule names a pool the request hit.
+    pub fn scope(&mut self, readers: &PoolReaders) {
+        if readers.is_empty()
+            || !self
+                .marks
+                .iter()
+                .any(|m| readers.readers(m.0.worker_id).is_some())
+        {
+            return;
+        }
+        let n = self.shared.len().saturating_sub(1);
+        let mut open = vec![0u64; n.div_ceil(64)];
+        for (source, bits) in &self.marks {
+            match readers.readers(source.worker_id) {
+                Some(r) => self.scoped.push((bits.clone(), r.to_vec())),
+                None => open.iter_mut().zip(bits).for_each(|(o, b)| *o |= b),
+            }
+        }
+        for i in (0..n).rev() {
+            self.shared[i] = self.shared[i + 1] + ((open[i / 64] >> (i % 64)) & 1) as u32;
+        }
+        self.open = open;
     }
 
     /// Adds a worker's overlap (zero ones are left out); call [`Self::finish`] after.
@@ -154,6 +288,8 @@ impl TierScores {
     /// per [`Self::clear`].
     pub fn finish(&mut self) {
         self.scores.sort_unstable_by_key(|&(w, _)| w);
+        // Shards and pools mark in no fixed order.
+        self.marks.sort_unstable_by_key(|m| m.0);
         // Only a marked position makes `shared` non-empty.
         if self.shared.is_empty() {
             return;
@@ -166,8 +302,39 @@ impl TierScores {
 
     /// Shared-pool blocks of the request at position `from` or later (Dynamo's
     /// `hits_beyond`): a worker's `shared_beyond_blocks` with `from` its device overlap.
+    /// After [`Self::scope`], the pools every worker reads.
     pub fn shared_beyond(&self, from: u32) -> u32 {
         self.shared.get(from as usize).copied().unwrap_or(0)
+    }
+
+    /// [`Self::shared_beyond`] for `worker`: the blocks at or past `from` of every pool it
+    /// reads (a block two pools hold counts once).
+    pub fn shared_beyond_for(&self, worker: WorkerDp, from: u32) -> u32 {
+        let mine: SmallVec<[&[u64]; 4]> = self
+            .scoped
+            .iter()
+            .filter(|(_, r)| r.binary_search(&worker.worker_id).is_ok())
+            .map(|(bits, _)| bits.as_slice())
+            .collect();
+        if mine.is_empty() {
+            return self.shared_beyond(from);
+        }
+        let from = from as usize;
+        let mut count = 0;
+        for (w, &open) in self.open.iter().enumerate().skip(from / 64) {
+            let mut word = mine.iter().fold(open, |acc, bits| acc | bits[w]);
+            if w == from / 64 {
+                word &= u64::MAX << (from % 64);
+            }
+            count += word.count_ones();
+        }
+        count
+    }
+
+    /// Whether a pool with readers holds a block of the request (after [`Self::scope`]):
+    /// then workers differ in [`Self::shared_beyond_for`] beyond their device prefixes.
+    pub fn has_scoped(&self) -> bool {
+        !self.scoped.is_empty()
     }
 
     /// Fills a candidate's lower-tier and shared-pool counts from its worker's entry and
@@ -176,7 +343,7 @@ impl TierScores {
         let t = self.get(c.worker);
         c.host_overlap_blocks = t.host;
         c.disk_overlap_blocks = t.disk;
-        c.shared_beyond_blocks = self.shared_beyond(c.device_overlap_blocks);
+        c.shared_beyond_blocks = self.shared_beyond_for(c.worker, c.device_overlap_blocks);
     }
 
     /// A worker's overlap (zero when absent).
@@ -243,8 +410,8 @@ pub struct LowerTiers {
 /// The shared-pool blocks of one shard's sources (see the [module docs](self)).
 #[derive(Debug, Default)]
 struct SharedPool {
-    /// Path hash -> how many sources hold it.
-    paths: Map<u64, u32>,
+    /// Per source: path hash -> how many of its names hold it.
+    paths: Map<WorkerDp, Map<u64, u32>>,
     /// Per source: engine name -> path hash.
     names: Map<WorkerDp, Map<u64, u64>>,
     blocks: usize,
@@ -254,18 +421,29 @@ impl SharedPool {
     fn hold(&mut self, source: WorkerDp, name: u64, path: u64) {
         match self.names.entry(source).or_default().insert(name, path) {
             Some(old) if old == path => return,
-            Some(old) => self.release(old),
+            Some(old) => self.release(source, old),
             None => self.blocks += 1,
         }
-        *self.paths.entry(path).or_default() += 1;
+        *self
+            .paths
+            .entry(source)
+            .or_default()
+            .entry(path)
+            .or_default() += 1;
     }
 
-    fn release(&mut self, path: u64) {
-        if let Some(n) = self.paths.get_mut(&path) {
+    fn release(&mut self, source: WorkerDp, path: u64) {
+        let Some(held) = self.paths.get_mut(&source) else {
+            return;
+        };
+        if let Some(n) = held.get_mut(&path) {
             *n -= 1;
             if *n == 0 {
-                self.paths.remove(&path);
+                held.remove(&path);
             }
+        }
+        if held.is_empty() {
+            self.paths.remove(&source);
         }
     }
 
@@ -278,7 +456,7 @@ impl SharedPool {
             self.names.remove(&source);
         }
         for &path in &gone {
-            self.release(path);
+            self.release(source, path);
         }
         self.blocks -= gone.len();
         gone.len()
@@ -288,9 +466,7 @@ impl SharedPool {
         let Some(held) = self.names.remove(&source) else {
             return 0;
         };
-        for &path in held.values() {
-            self.release(path);
-        }
+        self.paths.remove(&source);
         self.blocks -= held.len();
         held.len()
     }
@@ -510,10 +686,11 @@ impl LowerTiers {
     /// hashes are `paths`, given every worker's device scores `device`. Call
     /// [`TierScores::finish`] once every shard has added its part.
     pub fn overlaps_into(&self, paths: &[u64], device: &OverlapScores, out: &mut TierScores) {
-        if self.pool.blocks > 0 {
+        // One pass per source: a fleet has few pools (one store, or one per node).
+        for (&source, held) in &self.pool.paths {
             for (i, p) in paths.iter().enumerate() {
-                if self.pool.paths.contains_key(p) {
-                    out.mark_shared(i, paths.len());
+                if held.contains_key(p) {
+                    out.mark_shared(i, paths.len(), source);
                 }
             }
         }
@@ -662,6 +839,67 @@ mod tests {
         out.finish();
         assert!(out.is_empty());
         assert_eq!(out.shared_beyond(0), 0);
+    }
+
+    #[test]
+    fn pool_readers_parse_and_refuse_bad_rules() {
+        let mut r = PoolReaders::new();
+        assert!(r.is_empty());
+        r.add_rule("9=3, 1,3").unwrap();
+        r.add_rule(" 4 =7").unwrap();
+        assert_eq!(r.readers(9), Some(&[1, 3][..]));
+        assert_eq!(r.readers(4), Some(&[7][..]));
+        assert_eq!(r.readers(5), None);
+        for bad in ["9", "x=1", "8=1,y", "8=", "9=2"] {
+            let e = r.add_rule(bad).unwrap_err();
+            assert_eq!(e.spec, bad);
+        }
+        assert_eq!(r.readers(9), Some(&[1, 3][..]));
+    }
+
+    /// Two pools over a 150-block request (three bitset words), one read by `A` only:
+    /// every count from every position equals a count position by position.
+    #[test]
+    fn scoped_pools_count_for_their_readers_from_any_position() {
+        const C: WorkerDp = WorkerDp::new(9, 0);
+        const D: WorkerDp = WorkerDp::new(10, 1);
+        let q: Vec<LocalBlockHash> = (1..=150).map(LocalBlockHash).collect();
+        let paths: Vec<u64> = sequence_hashes(&q).into_iter().map(|s| s.0).collect();
+        let mut t = LowerTiers::new();
+        // C (read by A only) holds 0..100, then 60..70 go; D (every worker) holds 90..150.
+        t.pool_store(C, None, &chain(&q[..100], 1_000));
+        let gone: Vec<SequenceBlockHash> = (60..70).map(|i| SequenceBlockHash(1_000 + i)).collect();
+        assert_eq!(t.pool_remove(C, &gone), 10);
+        t.pool_store(D, Some(paths[89]), &chain(&q[90..], 5_000));
+        let mut readers = PoolReaders::new();
+        readers.add_rule("9=1").unwrap();
+        let mut out = TierScores::new();
+        t.overlaps_into(&paths, &OverlapScores::new(), &mut out);
+        out.finish();
+        let unscoped = out.clone();
+        out.scope(&readers);
+        assert!(out.has_scoped());
+        let c_holds = |i: usize| i < 100 && !(60..70).contains(&i);
+        let d_holds = |i: usize| i >= 90;
+        for from in 0..=151u32 {
+            let count =
+                |f: &dyn Fn(usize) -> bool| (from as usize..150).filter(|&i| f(i)).count() as u32;
+            let both = count(&|i| c_holds(i) || d_holds(i));
+            assert_eq!(out.shared_beyond_for(A, from), both, "from {from}");
+            assert_eq!(
+                out.shared_beyond_for(B, from),
+                count(&d_holds),
+                "from {from}"
+            );
+            assert_eq!(out.shared_beyond(from), count(&d_holds), "from {from}");
+            assert_eq!(unscoped.shared_beyond_for(B, from), both, "from {from}");
+        }
+        // A rule for a source the request did not hit changes nothing.
+        let mut other = PoolReaders::new();
+        other.add_rule("77=2").unwrap();
+        let mut again = unscoped.clone();
+        again.scope(&other);
+        assert_eq!(again, unscoped);
     }
 
     #[test]

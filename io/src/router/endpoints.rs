@@ -290,7 +290,7 @@ impl State {
         let now = self.now_ms();
         let index = Self::index(&self.ingest, self.cfg.kv_events);
         let (device, tiers) = self.decider.tier_overlaps(index, &locals, None, now);
-        let list: Vec<OverlapEntry> = tiers
+        let mut list: Vec<OverlapEntry> = tiers
             .with_device(device)
             .map(|(w, blocks, t)| OverlapEntry {
                 worker_id: w.worker_id,
@@ -298,12 +298,32 @@ impl State {
                 blocks,
                 host_blocks: t.host,
                 disk_blocks: t.disk,
-                shared_blocks: tiers.shared_beyond(blocks),
+                shared_blocks: tiers.shared_beyond_for(w, blocks),
             })
             .collect();
-        // Every worker reads the pool: one not listed has all of the request's pool blocks
-        // past its (empty) device prefix, the top-level figure.
-        let body = match tiers.shared_beyond(0) {
+        // A worker not listed has every pool block it reads past its (empty) device prefix:
+        // the top-level figure counts the pools every worker reads, and workers that also
+        // read a pool with readers (`--pool-readers`) are listed with their own count.
+        let shared = tiers.shared_beyond(0);
+        if let Some(tiers) = tiers.has_scoped().then(|| tiers.clone()) {
+            for w in self.known_workers() {
+                let mine = tiers.shared_beyond_for(w, 0);
+                let listed = list
+                    .iter()
+                    .any(|e| (e.worker_id, e.dp_rank) == (w.worker_id, w.dp_rank));
+                if mine != shared && !listed {
+                    list.push(OverlapEntry {
+                        worker_id: w.worker_id,
+                        dp_rank: w.dp_rank,
+                        blocks: 0,
+                        host_blocks: 0,
+                        disk_blocks: 0,
+                        shared_blocks: mine,
+                    });
+                }
+            }
+        }
+        let body = match shared {
             0 => serde_json::json!({ "overlaps": list }),
             shared => serde_json::json!({ "overlaps": list, "shared_blocks": shared }),
         };

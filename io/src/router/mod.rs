@@ -8,7 +8,7 @@
 //! | endpoint | what |
 //! |---|---|
 //! | `POST /v1/route` | `{"token_ids": [...]}` or `{"block_hashes": [...]}`, optional `lora_name`, `request_id`, `explain` → `{"worker_id", "dp_rank", "overlap_blocks", "request_id"}` (+ `candidates` with their cost terms and each tier's credit, `credits: {device, host, disk, shared}`, when `explain`). Binary framing: `Content-Type: application/x-kvrouter-block-hashes`, the body the local block hashes as little-endian u64s, `X-Request-Id` / `X-Lora-Name` headers |
-//! | `POST /v1/overlaps` | same input → `{"overlaps": [{"worker_id", "dp_rank", "blocks", "host_blocks"?, "disk_blocks"?, "shared_blocks"?}], "shared_blocks"?}`: device blocks from the start (find_matches without early exit), then how far host memory, then disk and external storage continue the prefix, then the shared pool's blocks at or past the device prefix (each left out when 0); workers with any positive device or lower-tier count only; the top-level `shared_blocks` is the request's pool blocks (what an unlisted worker is credited with) |
+//! | `POST /v1/overlaps` | same input → `{"overlaps": [{"worker_id", "dp_rank", "blocks", "host_blocks"?, "disk_blocks"?, "shared_blocks"?}], "shared_blocks"?}`: device blocks from the start (find_matches without early exit), then how far host memory, then disk and external storage continue the prefix, then the shared pool's blocks at or past the device prefix (each left out when 0); workers with any positive device or lower-tier count only; the top-level `shared_blocks` is the request's blocks in the pools every worker reads (what an unlisted worker is credited with); with `--pool-readers`, a worker that reads more than that is listed with its own `shared_blocks` |
 //! | `POST /v1/requests/{id}/first_token` | the request's prefill is done: its prefill tokens are released |
 //! | `POST /v1/requests/{id}/free` | the request finished: its slots are released |
 //! | `GET /v1/workers` | workers, dp ranks, cached blocks, last applied event id, loads |
@@ -32,7 +32,7 @@ use std::time::Duration;
 use kvrouter_core::codec::Subjects;
 use kvrouter_core::codec::replica::ActiveSequenceEvent;
 use kvrouter_core::decision::{Decider, DeciderConfig, Limits, Selection};
-use kvrouter_core::index::ApproxConfig;
+use kvrouter_core::index::{ApproxConfig, PoolReaders};
 use kvrouter_core::policy::CostConfig;
 use kvrouter_core::worker::WorkerDp;
 
@@ -69,6 +69,8 @@ pub struct RouterConfig {
     /// With KV events: also remember our own decisions this long, ms, and credit a worker
     /// with the longer of the index's prefix and the remembered one (0: off).
     pub remember_ms: u64,
+    /// Which workers read which shared pools (none named: every worker reads every pool).
+    pub pool_readers: PoolReaders,
     /// Share slot predictions with other replicas over NATS.
     pub replica_sync: bool,
     /// This router's id (replicas ignore their own messages).
@@ -108,6 +110,7 @@ impl Default for RouterConfig {
             kv_events: true,
             approx: ApproxConfig::default(),
             remember_ms: 0,
+            pool_readers: PoolReaders::new(),
             replica_sync: true,
             router_id: 0,
             subjects: Subjects::default(),
@@ -271,7 +274,8 @@ async fn run(
     };
     let addr = listener.local_addr().unwrap_or(cfg.listen);
     let (replica_tx, replica_rx) = flume::bounded::<ActiveSequenceEvent>(replica::QUEUE);
-    let decider = Decider::new(decider_config(&cfg));
+    let mut decider = Decider::new(decider_config(&cfg));
+    decider.set_pool_readers(cfg.pool_readers.clone());
     let state = Rc::new(RefCell::new(endpoints::State::new(
         cfg.clone(),
         ingest,
