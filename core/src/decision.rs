@@ -399,6 +399,7 @@ impl Decider {
     /// Which workers read which shared pools: from now on a pool with a rule earns its
     /// credit only on its readers' candidates (`crate::index::tiers`, "Who reads a pool").
     pub fn set_pool_readers(&mut self, readers: PoolReaders) {
+        self.tiers.attribute_sources(!readers.is_empty());
         self.pool_readers = readers;
     }
 
@@ -1185,11 +1186,11 @@ mod tests {
         assert_eq!(tiers.get(W[2]).host, 4);
     }
 
-    #[test]
-    fn shared_pool_blocks_are_credited_past_each_device_prefix() {
-        // Worker 2 holds 3 of the 4 blocks on the device; a shared pool (published by
-        // source 9, residency `cache_owner`) holds all 4. Every worker reads the pool: worker
-        // 2 is credited its one pool block past its device prefix, the others all 4.
+    /// Worker 2 holds the first 3 of 4 request blocks on the device; each `(source, n)`
+    /// publishes a shared pool (residency `cache_owner`) of the first `n`.
+    fn pools_over_a_device_prefix(
+        pools: &[(u64, usize)],
+    ) -> (crate::index::TreeIndex, Vec<LocalBlockHash>) {
         let mut idx = crate::index::TreeIndex::new(2);
         let l = locals(&[1, 2, 3, 4]);
         let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
@@ -1199,10 +1200,22 @@ mod tests {
             KvCacheEvent::stored(0, 0, None, blocks[..3].to_vec()),
         ))
         .unwrap();
-        let mut e = RouterEvent::new(9, KvCacheEvent::stored(0, 0, None, blocks));
-        e.residency_domain = Some(crate::event::ResidencyDomain::CacheOwner);
-        e.storage_tier = crate::worker::StorageTier::External;
-        idx.apply(e).unwrap();
+        for &(source, n) in pools {
+            let stored = KvCacheEvent::stored(0, 0, None, blocks[..n].to_vec());
+            let mut e = RouterEvent::new(source, stored);
+            e.residency_domain = Some(crate::event::ResidencyDomain::CacheOwner);
+            e.storage_tier = crate::worker::StorageTier::External;
+            idx.apply(e).unwrap();
+        }
+        (idx, l)
+    }
+
+    #[test]
+    fn shared_pool_blocks_are_credited_past_each_device_prefix() {
+        // Worker 2 holds 3 of the 4 blocks on the device; a shared pool (published by
+        // source 9, residency `cache_owner`) holds all 4. Every worker reads the pool: worker
+        // 2 is credited its one pool block past its device prefix, the others all 4.
+        let (idx, l) = pools_over_a_device_prefix(&[(9, 4)]);
         // The pool's publisher is no worker.
         assert_eq!(idx.workers().len(), 1);
         for multiplier in [0.0, 0.5] {
@@ -1237,24 +1250,7 @@ mod tests {
         // is read by worker 3 alone; source 10's holds the first 2 and every worker reads
         // it. Past its device prefix: worker 1 reads 2 pool blocks (source 10's), worker 2
         // none, worker 3 all 4 (blocks both pools hold count once).
-        let mut idx = crate::index::TreeIndex::new(2);
-        let l = locals(&[1, 2, 3, 4]);
-        let blocks: Vec<(LocalBlockHash, SequenceBlockHash)> =
-            l.iter().copied().zip(sequence_hashes(&l)).collect();
-        idx.apply(RouterEvent::new(
-            2,
-            KvCacheEvent::stored(0, 0, None, blocks[..3].to_vec()),
-        ))
-        .unwrap();
-        for (source, n) in [(9, 4), (10, 2)] {
-            let mut e = RouterEvent::new(
-                source,
-                KvCacheEvent::stored(0, 0, None, blocks[..n].to_vec()),
-            );
-            e.residency_domain = Some(crate::event::ResidencyDomain::CacheOwner);
-            e.storage_tier = crate::worker::StorageTier::External;
-            idx.apply(e).unwrap();
-        }
+        let (idx, l) = pools_over_a_device_prefix(&[(9, 4), (10, 2)]);
         let mut readers = PoolReaders::new();
         readers.add_rule("9=3").unwrap();
         let mut d = Decider::new(DeciderConfig {

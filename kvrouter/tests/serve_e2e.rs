@@ -619,6 +619,15 @@ fn host_tier_blocks_from_vllm_engines_reach_overlaps_and_win_routes() {
     e2.finish();
 }
 
+/// Worker `w`'s entry in an explained route's `candidates`.
+fn candidate_of(v: &Value, w: u64) -> Value {
+    v["candidates"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["worker"]["worker_id"] == w))
+        .unwrap_or_else(|| panic!("{v}"))
+        .clone()
+}
+
 #[test]
 fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
     use kvrouter_core::event::{KvCacheEvent, ResidencyDomain, RouterEvent};
@@ -629,7 +638,8 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
     // block 5: past worker 11's device prefix it holds 5 of the 6, past worker 12's all 7.
     let server = NatsServer::start();
     let r = router(&server.url(), &["--shared-cache-multiplier", "0.5"]);
-    // A second router is told that only worker 12 reads source 99's pool.
+    // A second router is told that only worker 12 reads source 99's pool. It shares no
+    // decisions with the first (whose request would otherwise weigh on worker 11 here).
     let scoped = router(
         &server.url(),
         &[
@@ -637,6 +647,8 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
             "0.5",
             "--pool-readers",
             "99=12",
+            "--replica-sync",
+            "false",
         ],
     );
     let prompt: Vec<u32> = (7000..7128).collect();
@@ -685,11 +697,7 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
     // Worker 11: 2 device blocks + 0.5 × 5 = 4.5 of credit; worker 12: 0.5 × 7 = 3.5.
     assert_eq!(v["worker_id"], 11, "{v}");
     let credit = |w: u64| {
-        let c = v["candidates"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["worker"]["worker_id"] == w))
-            .unwrap_or_else(|| panic!("{v}"))
-            .clone();
+        let c = candidate_of(&v, w);
         (
             c["shared_beyond_blocks"].as_u64(),
             c["credits"]["shared"].as_f64(),
@@ -716,11 +724,7 @@ fn a_shared_pool_from_cache_owner_events_reaches_overlaps_and_its_credit() {
     // Worker 11: 2 device blocks; worker 12: 0.5 × 7 = 3.5.
     assert_eq!(v["worker_id"], 12, "{v}");
     let credit = |w: u64| {
-        let c = v["candidates"]
-            .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["worker"]["worker_id"] == w))
-            .unwrap_or_else(|| panic!("{v}"))
-            .clone();
+        let c = candidate_of(&v, w);
         (
             c["shared_beyond_blocks"].as_u64(),
             c["overlap_credit_blocks"].as_f64(),

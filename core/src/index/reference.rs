@@ -475,12 +475,13 @@ impl Index for ReferenceIndex {
     ) {
         out.clear();
         // Shared pools: position `i` is a hit when a pool holds the block at `query[..=i]`.
+        let attribute = out.attributes_sources();
         for (&source, names) in &self.pool {
             let held: std::collections::HashSet<&[LocalBlockHash]> =
                 names.values().map(Vec::as_slice).collect();
             for i in 0..query.len() {
                 if held.contains(&query[..=i]) {
-                    out.mark_shared(i, query.len(), source);
+                    out.mark_shared(i, query.len(), attribute.then_some(source));
                 }
             }
         }

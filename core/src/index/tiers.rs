@@ -82,10 +82,11 @@
 //! store serves the workers of one node, and Dynamo 1.6.1 credits a `cache_owner` block to
 //! the one worker its discovery attaches the owner to. [`PoolReaders`] (`kvrouter serve
 //! --pool-readers SOURCE=WORKER,...`) names the readers of a source's pool; a source
-//! without a rule is read by every worker, as before. Each shard keeps its pool's path
-//! hashes per source, so a lookup marks, per source, which request positions its pool holds
-//! (one bit each in [`TierScores`]; one pass over the request per source, and a fleet has
-//! few pools). [`TierScores::scope`] then splits them: the pools every worker reads keep
+//! without a rule is read by every worker, as before. Each shard also keeps its pool's
+//! path hashes per source, so that where rules exist a lookup marks, per source, which of
+//! the request's pool hits its pool holds (one bit each in [`TierScores`], one lookup per
+//! hit and source; without rules a lookup is one pass over the request, whatever the
+//! number of sources). [`TierScores::scope`] then splits them: the pools every worker reads keep
 //! the one suffix count ([`TierScores::shared_beyond`]), and a worker's own count
 //! ([`TierScores::shared_beyond_for`]) is the union of those and of the pools it reads,
 //! so a block two of its pools hold counts once, as one position. Without rules nothing is
@@ -218,6 +219,8 @@ pub struct TierScores {
     /// the positions of the pools every worker reads. Empty without such a pool.
     scoped: Vec<(Vec<u64>, Vec<WorkerId>)>,
     open: Vec<u64>,
+    /// Whether lookups mark whose pool holds each block ([`Self::attribute_sources`]).
+    attribute: bool,
 }
 
 impl TierScores {
@@ -226,7 +229,18 @@ impl TierScores {
         Self::default()
     }
 
-    /// Empties it, keeping its memory.
+    /// Whether lookups say whose pool holds each block (off by default: without pool rules
+    /// only how many blocks matter). Kept across [`Self::clear`].
+    pub fn attribute_sources(&mut self, on: bool) {
+        self.attribute = on;
+    }
+
+    /// See [`Self::attribute_sources`].
+    pub(crate) fn attributes_sources(&self) -> bool {
+        self.attribute
+    }
+
+    /// Empties it, keeping its memory and [`Self::attribute_sources`].
     pub fn clear(&mut self) {
         self.scores.clear();
         self.shared.clear();
@@ -235,12 +249,15 @@ impl TierScores {
         self.open.clear();
     }
 
-    /// Marks request position `i` of `n` as held by `source`'s shared pool.
-    pub(crate) fn mark_shared(&mut self, i: usize, n: usize, source: WorkerDp) {
+    /// Marks request position `i` of `n` as held by a shared pool: `source`'s, when
+    /// [`Self::attribute_sources`] asked for it (a position may then be marked once without
+    /// a source and once per source that holds it).
+    pub(crate) fn mark_shared(&mut self, i: usize, n: usize, source: Option<WorkerDp>) {
         if self.shared.len() < n {
             self.shared.resize(n, 0);
         }
         self.shared[i] = 1;
+        let Some(source) = source else { return };
         let at = match self.marks.iter().position(|m| m.0 == source) {
             Some(at) => at,
             None => {
@@ -410,11 +427,25 @@ pub struct LowerTiers {
 /// The shared-pool blocks of one shard's sources (see the [module docs](self)).
 #[derive(Debug, Default)]
 struct SharedPool {
-    /// Per source: path hash -> how many of its names hold it.
-    paths: Map<WorkerDp, Map<u64, u32>>,
+    /// Path hash -> how many names of all sources hold it: one lookup per request block
+    /// finds every pool hit, however many sources there are.
+    paths: Map<u64, u32>,
+    /// Per source: path hash -> how many of its names hold it, to attribute the hits when
+    /// some pool has readers ([`TierScores::attribute_sources`]).
+    by_source: Map<WorkerDp, Map<u64, u32>>,
     /// Per source: engine name -> path hash.
     names: Map<WorkerDp, Map<u64, u64>>,
     blocks: usize,
+}
+
+/// Takes one holder of `key` off `map`'s count, dropping the entry at zero.
+fn release_one(map: &mut Map<u64, u32>, key: u64) {
+    if let Some(n) = map.get_mut(&key) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&key);
+        }
+    }
 }
 
 impl SharedPool {
@@ -424,8 +455,9 @@ impl SharedPool {
             Some(old) => self.release(source, old),
             None => self.blocks += 1,
         }
+        *self.paths.entry(path).or_default() += 1;
         *self
-            .paths
+            .by_source
             .entry(source)
             .or_default()
             .entry(path)
@@ -433,17 +465,12 @@ impl SharedPool {
     }
 
     fn release(&mut self, source: WorkerDp, path: u64) {
-        let Some(held) = self.paths.get_mut(&source) else {
-            return;
-        };
-        if let Some(n) = held.get_mut(&path) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&path);
+        release_one(&mut self.paths, path);
+        if let Some(held) = self.by_source.get_mut(&source) {
+            release_one(held, path);
+            if held.is_empty() {
+                self.by_source.remove(&source);
             }
-        }
-        if held.is_empty() {
-            self.paths.remove(&source);
         }
     }
 
@@ -466,7 +493,10 @@ impl SharedPool {
         let Some(held) = self.names.remove(&source) else {
             return 0;
         };
-        self.paths.remove(&source);
+        for &path in held.values() {
+            release_one(&mut self.paths, path);
+        }
+        self.by_source.remove(&source);
         self.blocks -= held.len();
         held.len()
     }
@@ -686,11 +716,22 @@ impl LowerTiers {
     /// hashes are `paths`, given every worker's device scores `device`. Call
     /// [`TierScores::finish`] once every shard has added its part.
     pub fn overlaps_into(&self, paths: &[u64], device: &OverlapScores, out: &mut TierScores) {
-        // One pass per source: a fleet has few pools (one store, or one per node).
-        for (&source, held) in &self.pool.paths {
+        if self.pool.blocks > 0 {
+            let mut hits: SmallVec<[usize; 64]> = SmallVec::new();
             for (i, p) in paths.iter().enumerate() {
-                if held.contains_key(p) {
-                    out.mark_shared(i, paths.len(), source);
+                if self.pool.paths.contains_key(p) {
+                    out.mark_shared(i, paths.len(), None);
+                    hits.push(i);
+                }
+            }
+            // Only rules need to know whose the hits are: one lookup per hit and source.
+            if out.attributes_sources() && !hits.is_empty() {
+                for (&source, held) in &self.pool.by_source {
+                    for &i in &hits {
+                        if held.contains_key(&paths[i]) {
+                            out.mark_shared(i, paths.len(), Some(source));
+                        }
+                    }
                 }
             }
         }
@@ -874,6 +915,7 @@ mod tests {
         let mut readers = PoolReaders::new();
         readers.add_rule("9=1").unwrap();
         let mut out = TierScores::new();
+        out.attribute_sources(true);
         t.overlaps_into(&paths, &OverlapScores::new(), &mut out);
         out.finish();
         let unscoped = out.clone();
