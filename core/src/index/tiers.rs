@@ -82,11 +82,12 @@
 //! store serves the workers of one node, and Dynamo 1.6.1 credits a `cache_owner` block to
 //! the one worker its discovery attaches the owner to. [`PoolReaders`] (`kvrouter serve
 //! --pool-readers SOURCE=WORKER,...`) names the readers of a source's pool; a source
-//! without a rule is read by every worker, as before. Each shard also keeps its pool's
-//! path hashes per source, so that where rules exist a lookup marks, per source, which of
-//! the request's pool hits its pool holds (one bit each in [`TierScores`], one lookup per
-//! hit and source; without rules a lookup is one pass over the request, whatever the
-//! number of sources). [`TierScores::scope`] then splits them: the pools every worker reads keep
+//! without a rule is read by every worker, as before. Each shard's pool map says, per
+//! path hash, which sources hold it (nearly always one, packed in the 8 bytes a count
+//! took), so a lookup is one
+//! pass over the request whatever the number of sources, and where rules exist it also
+//! marks, per source, which request positions its pool holds (one bit each in
+//! [`TierScores`]). [`TierScores::scope`] then splits them: the pools every worker reads keep
 //! the one suffix count ([`TierScores::shared_beyond`]), and a worker's own count
 //! ([`TierScores::shared_beyond_for`]) is the union of those and of the pools it reads,
 //! so a block two of its pools hold counts once, as one position. Without rules nothing is
@@ -257,15 +258,20 @@ impl TierScores {
             self.shared.resize(n, 0);
         }
         self.shared[i] = 1;
-        let Some(source) = source else { return };
-        let at = match self.marks.iter().position(|m| m.0 == source) {
-            Some(at) => at,
-            None => {
-                self.marks.push((source, vec![0; n.div_ceil(64)]));
-                self.marks.len() - 1
-            }
-        };
-        self.marks[at].1[i / 64] |= 1 << (i % 64);
+        if let Some(source) = source {
+            let mut bit = vec![0u64; n.div_ceil(64)];
+            bit[i / 64] |= 1 << (i % 64);
+            self.mark_source(source, &bit);
+        }
+    }
+
+    /// Adds `bits` (one per request position) to the positions `source`'s pool holds; the
+    /// positions are marked as shared by [`Self::mark_shared`] too.
+    pub(crate) fn mark_source(&mut self, source: WorkerDp, bits: &[u64]) {
+        match self.marks.iter_mut().find(|m| m.0 == source) {
+            Some(m) => m.1.iter_mut().zip(bits).for_each(|(a, b)| *a |= b),
+            None => self.marks.push((source, bits.to_vec())),
+        }
     }
 
     /// Applies `readers` after [`Self::finish`]: the blocks of a pool with a rule count only
@@ -427,50 +433,126 @@ pub struct LowerTiers {
 /// The shared-pool blocks of one shard's sources (see the [module docs](self)).
 #[derive(Debug, Default)]
 struct SharedPool {
-    /// Path hash -> how many names of all sources hold it: one lookup per request block
-    /// finds every pool hit, however many sources there are.
-    paths: Map<u64, u32>,
-    /// Per source: path hash -> how many of its names hold it, to attribute the hits when
-    /// some pool has readers ([`TierScores::attribute_sources`]).
-    by_source: Map<WorkerDp, Map<u64, u32>>,
+    /// Path hash -> which sources hold it, with how many names each: one lookup per request
+    /// block finds every pool hit and whose it is, however many sources there are. The
+    /// value is [`one_holder`] (nearly always: one source) or [`MANY`] with an index into
+    /// `many`, so that an entry is as small as a plain count's.
+    paths: Map<u64, u64>,
+    /// Holder lists of paths that several sources hold, `(source ordinal, names)`; the
+    /// free slots are in `free`.
+    many: Vec<SmallVec<[(u32, u32); 2]>>,
+    free: Vec<usize>,
+    /// Source ordinal -> source (ordinals are never reused: a fleet has few sources, and
+    /// fewer than 2^31 ever).
+    sources: Vec<WorkerDp>,
+    ordinals: Map<WorkerDp, u32>,
     /// Per source: engine name -> path hash.
     names: Map<WorkerDp, Map<u64, u64>>,
     blocks: usize,
 }
 
-/// Takes one holder of `key` off `map`'s count, dropping the entry at zero.
-fn release_one(map: &mut Map<u64, u32>, key: u64) {
-    if let Some(n) = map.get_mut(&key) {
-        *n -= 1;
-        if *n == 0 {
-            map.remove(&key);
-        }
-    }
+/// A [`SharedPool::paths`] value naming a slot of its `many`, not one holder.
+const MANY: u64 = 1 << 63;
+
+/// A [`SharedPool::paths`] value: source ordinal `o` (below 2^31) holds it under `n` names.
+fn one_holder(o: u32, n: u32) -> u64 {
+    (u64::from(o) << 32) | u64::from(n)
 }
 
 impl SharedPool {
+    fn ordinal(&mut self, source: WorkerDp) -> u32 {
+        if let Some(&o) = self.ordinals.get(&source) {
+            return o;
+        }
+        let o = self.sources.len() as u32;
+        self.sources.push(source);
+        self.ordinals.insert(source, o);
+        o
+    }
+
+    /// The source ordinals that hold a path, given its value.
+    fn holders(&self, v: u64) -> impl Iterator<Item = u32> + '_ {
+        let (one, many) = match v & MANY {
+            0 => (Some((v >> 32) as u32), &[][..]),
+            _ => (None, &self.many[(v & !MANY) as usize][..]),
+        };
+        one.into_iter().chain(many.iter().map(|h| h.0))
+    }
+
     fn hold(&mut self, source: WorkerDp, name: u64, path: u64) {
         match self.names.entry(source).or_default().insert(name, path) {
             Some(old) if old == path => return,
             Some(old) => self.release(source, old),
             None => self.blocks += 1,
         }
-        *self.paths.entry(path).or_default() += 1;
-        *self
-            .by_source
-            .entry(source)
-            .or_default()
-            .entry(path)
-            .or_default() += 1;
+        let o = self.ordinal(source);
+        let Some(v) = self.paths.get_mut(&path) else {
+            self.paths.insert(path, one_holder(o, 1));
+            return;
+        };
+        if *v & MANY != 0 {
+            let list = &mut self.many[(*v & !MANY) as usize];
+            match list.iter_mut().find(|h| h.0 == o) {
+                Some(h) => h.1 += 1,
+                None => list.push((o, 1)),
+            }
+            return;
+        }
+        let (first, n) = ((*v >> 32) as u32, *v as u32);
+        if first == o {
+            *v = one_holder(o, n + 1);
+            return;
+        }
+        let list: SmallVec<[(u32, u32); 2]> = SmallVec::from_buf([(first, n), (o, 1)]);
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.many[slot] = list;
+                slot
+            }
+            None => {
+                self.many.push(list);
+                self.many.len() - 1
+            }
+        };
+        *v = MANY | slot as u64;
     }
 
     fn release(&mut self, source: WorkerDp, path: u64) {
-        release_one(&mut self.paths, path);
-        if let Some(held) = self.by_source.get_mut(&source) {
-            release_one(held, path);
-            if held.is_empty() {
-                self.by_source.remove(&source);
+        let Some(&o) = self.ordinals.get(&source) else {
+            return;
+        };
+        let Some(v) = self.paths.get_mut(&path) else {
+            return;
+        };
+        let gone = if *v & MANY == 0 {
+            let (first, n) = ((*v >> 32) as u32, *v as u32);
+            if first != o {
+                return;
             }
+            *v = one_holder(o, n - 1);
+            n == 1
+        } else {
+            let slot = (*v & !MANY) as usize;
+            let list = &mut self.many[slot];
+            if let Some(i) = list.iter().position(|h| h.0 == o) {
+                list[i].1 -= 1;
+                if list[i].1 == 0 {
+                    list.swap_remove(i);
+                }
+            }
+            // Back to one holder (or none): the slot is free again.
+            if list.len() <= 1 {
+                let last = list.pop();
+                self.free.push(slot);
+                match last {
+                    Some((first, n)) => *v = one_holder(first, n),
+                    None => *v = one_holder(0, 0),
+                }
+            }
+            *v == one_holder(0, 0)
+        };
+        if gone {
+            self.paths.remove(&path);
         }
     }
 
@@ -494,9 +576,8 @@ impl SharedPool {
             return 0;
         };
         for &path in held.values() {
-            release_one(&mut self.paths, path);
+            self.release(source, path);
         }
-        self.by_source.remove(&source);
         self.blocks -= held.len();
         held.len()
     }
@@ -717,22 +798,29 @@ impl LowerTiers {
     /// [`TierScores::finish`] once every shard has added its part.
     pub fn overlaps_into(&self, paths: &[u64], device: &OverlapScores, out: &mut TierScores) {
         if self.pool.blocks > 0 {
-            let mut hits: SmallVec<[usize; 64]> = SmallVec::new();
+            // Only rules need to know whose the hits are: per source ordinal, its bits.
+            let attribute = out.attributes_sources();
+            let mut bits: Vec<Vec<u64>> = Vec::new();
             for (i, p) in paths.iter().enumerate() {
-                if self.pool.paths.contains_key(p) {
-                    out.mark_shared(i, paths.len(), None);
-                    hits.push(i);
-                }
-            }
-            // Only rules need to know whose the hits are: one lookup per hit and source.
-            if out.attributes_sources() && !hits.is_empty() {
-                for (&source, held) in &self.pool.by_source {
-                    for &i in &hits {
-                        if held.contains_key(&paths[i]) {
-                            out.mark_shared(i, paths.len(), Some(source));
+                let Some(&v) = self.pool.paths.get(p) else {
+                    continue;
+                };
+                out.mark_shared(i, paths.len(), None);
+                if attribute {
+                    for o in self.pool.holders(v) {
+                        let o = o as usize;
+                        if bits.len() <= o {
+                            bits.resize(o + 1, Vec::new());
                         }
+                        if bits[o].is_empty() {
+                            bits[o] = vec![0; paths.len().div_ceil(64)];
+                        }
+                        bits[o][i / 64] |= 1 << (i % 64);
                     }
                 }
+            }
+            for (o, b) in bits.iter().enumerate().filter(|(_, b)| !b.is_empty()) {
+                out.mark_source(self.pool.sources[o], b);
             }
         }
         if self.blocks == 0 || paths.is_empty() {
@@ -935,6 +1023,18 @@ mod tests {
             );
             assert_eq!(out.shared_beyond(from), count(&d_holds), "from {from}");
             assert_eq!(unscoped.shared_beyond_for(B, from), both, "from {from}");
+        }
+        // D goes, and with it the blocks both held: A keeps C's, B reads nothing.
+        assert_eq!(t.pool_clear(D), 60);
+        let mut after = TierScores::new();
+        after.attribute_sources(true);
+        t.overlaps_into(&paths, &OverlapScores::new(), &mut after);
+        after.finish();
+        after.scope(&readers);
+        for from in [0, 64, 95, 100] {
+            let c = (from as usize..150).filter(|&i| c_holds(i)).count() as u32;
+            assert_eq!(after.shared_beyond_for(A, from), c, "from {from}");
+            assert_eq!(after.shared_beyond_for(B, from), 0, "from {from}");
         }
         // A rule for a source the request did not hit changes nothing.
         let mut other = PoolReaders::new();
