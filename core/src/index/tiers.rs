@@ -442,10 +442,12 @@ struct SharedPool {
     /// free slots are in `free`.
     many: Vec<SmallVec<[(u32, u32); 2]>>,
     free: Vec<usize>,
-    /// Source ordinal -> source (ordinals are never reused: a fleet has few sources, and
-    /// fewer than 2^31 ever).
+    /// Source ordinal -> source, for the sources that hold blocks; a source's ordinal is
+    /// given back (to `free_ordinals`) when its last block goes, so there are never more
+    /// ordinals than sources holding blocks at once.
     sources: Vec<WorkerDp>,
     ordinals: Map<WorkerDp, u32>,
+    free_ordinals: Vec<u32>,
     /// Per source: engine name -> path hash.
     names: Map<WorkerDp, Map<u64, u64>>,
     blocks: usize,
@@ -464,10 +466,25 @@ impl SharedPool {
         if let Some(&o) = self.ordinals.get(&source) {
             return o;
         }
-        let o = self.sources.len() as u32;
-        self.sources.push(source);
+        let o = match self.free_ordinals.pop() {
+            Some(o) => {
+                self.sources[o as usize] = source;
+                o
+            }
+            None => {
+                self.sources.push(source);
+                (self.sources.len() - 1) as u32
+            }
+        };
         self.ordinals.insert(source, o);
         o
+    }
+
+    /// Gives `source`'s ordinal back once it holds no block (no path names it any more).
+    fn retire(&mut self, source: WorkerDp) {
+        if let Some(o) = self.ordinals.remove(&source) {
+            self.free_ordinals.push(o);
+        }
     }
 
     /// The source ordinals that hold a path, given its value.
@@ -561,11 +578,15 @@ impl SharedPool {
             return 0;
         };
         let gone: Vec<u64> = names.iter().filter_map(|n| held.remove(&n.0)).collect();
-        if held.is_empty() {
+        let emptied = held.is_empty();
+        if emptied {
             self.names.remove(&source);
         }
         for &path in &gone {
             self.release(source, path);
+        }
+        if emptied {
+            self.retire(source);
         }
         self.blocks -= gone.len();
         gone.len()
@@ -578,6 +599,7 @@ impl SharedPool {
         for &path in held.values() {
             self.release(source, path);
         }
+        self.retire(source);
         self.blocks -= held.len();
         held.len()
     }
@@ -1042,6 +1064,37 @@ mod tests {
         let mut again = unscoped.clone();
         again.scope(&other);
         assert_eq!(again, unscoped);
+    }
+
+    /// Sources that come and go (a hostile or churning publisher) do not pile up: a source
+    /// that holds nothing any more gives its ordinal back, and a path two sources held
+    /// keeps its remaining holder.
+    #[test]
+    fn pool_sources_that_leave_give_their_ordinals_back() {
+        let q = l(&[1, 2, 3]);
+        let paths: Vec<u64> = sequence_hashes(&q).into_iter().map(|s| s.0).collect();
+        let mut t = LowerTiers::new();
+        t.pool_store(A, None, &chain(&q, 10));
+        for i in 0..1_000u64 {
+            let s = WorkerDp::new(100 + i, 0);
+            assert_eq!(t.pool_store(s, None, &chain(&q[..2], 20)), 2);
+            if i % 2 == 0 {
+                assert_eq!(t.pool_clear(s), 2);
+            } else {
+                let names = [SequenceBlockHash(20), SequenceBlockHash(21)];
+                assert_eq!(t.pool_remove(s, &names), 2);
+            }
+        }
+        assert_eq!(t.pool.sources.len(), 2);
+        assert_eq!((t.pool.ordinals.len(), t.pool.paths.len()), (1, 3));
+        assert!(t.pool.paths.values().all(|&v| v & MANY == 0));
+        let mut out = TierScores::new();
+        out.attribute_sources(true);
+        t.overlaps_into(&paths, &OverlapScores::new(), &mut out);
+        out.finish();
+        assert_eq!(out.shared_beyond(0), 3);
+        assert_eq!(out.marks.len(), 1);
+        assert_eq!(out.marks[0].0, A);
     }
 
     #[test]
