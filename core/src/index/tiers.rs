@@ -83,8 +83,8 @@
 //! the one worker its discovery attaches the owner to. [`PoolReaders`] (`kvrouter serve
 //! --pool-readers SOURCE=WORKER,...`) names the readers of a source's pool; a source
 //! without a rule is read by every worker, as before. Each shard's pool map says, per
-//! path hash, which sources hold it (nearly always one, packed in the 8 bytes a count
-//! took), so a lookup is one
+//! path hash, which sources hold it (nearly always one, packed into one 8-byte value,
+//! which takes no more room in the map's entry than the count did), so a lookup is one
 //! pass over the request whatever the number of sources, and where rules exist it also
 //! marks, per source, which request positions its pool holds (one bit each in
 //! [`TierScores`]). [`TierScores::scope`] then splits them: the pools every worker reads keep
