@@ -475,14 +475,18 @@ impl Index for ReferenceIndex {
     ) {
         out.clear();
         // Shared pools: position `i` is a hit when a pool holds the block at `query[..=i]`.
-        let attribute = out.attributes_sources();
         for (&source, names) in &self.pool {
             let held: std::collections::HashSet<&[LocalBlockHash]> =
                 names.values().map(Vec::as_slice).collect();
+            let mut bits = vec![0u64; query.len().div_ceil(64)];
             for i in 0..query.len() {
                 if held.contains(&query[..=i]) {
-                    out.mark_shared(i, query.len(), attribute.then_some(source));
+                    out.mark_shared(i, query.len());
+                    bits[i / 64] |= 1 << (i % 64);
                 }
+            }
+            if out.attributes_sources() && bits.iter().any(|&b| b != 0) {
+                out.mark_source(source, &bits);
             }
         }
         for (&worker, w) in &self.workers {

@@ -250,23 +250,16 @@ impl TierScores {
         self.open.clear();
     }
 
-    /// Marks request position `i` of `n` as held by a shared pool: `source`'s, when
-    /// [`Self::attribute_sources`] asked for it (a position may then be marked once without
-    /// a source and once per source that holds it).
-    pub(crate) fn mark_shared(&mut self, i: usize, n: usize, source: Option<WorkerDp>) {
+    /// Marks request position `i` of `n` as held by a shared pool.
+    pub(crate) fn mark_shared(&mut self, i: usize, n: usize) {
         if self.shared.len() < n {
             self.shared.resize(n, 0);
         }
         self.shared[i] = 1;
-        if let Some(source) = source {
-            let mut bit = vec![0u64; n.div_ceil(64)];
-            bit[i / 64] |= 1 << (i % 64);
-            self.mark_source(source, &bit);
-        }
     }
 
-    /// Adds `bits` (one per request position) to the positions `source`'s pool holds; the
-    /// positions are marked as shared by [`Self::mark_shared`] too.
+    /// With [`Self::attribute_sources`]: adds `bits` (one per request position) to the
+    /// positions `source`'s pool holds, each also marked by [`Self::mark_shared`].
     pub(crate) fn mark_source(&mut self, source: WorkerDp, bits: &[u64]) {
         match self.marks.iter_mut().find(|m| m.0 == source) {
             Some(m) => m.1.iter_mut().zip(bits).for_each(|(a, b)| *a |= b),
@@ -557,16 +550,14 @@ impl SharedPool {
                     list.swap_remove(i);
                 }
             }
-            // Back to one holder (or none): the slot is free again.
-            if list.len() <= 1 {
-                let last = list.pop();
+            // A list has two holders or more: down to one, the path goes back to the packed
+            // value and the slot is free again.
+            if let [(first, n)] = list[..] {
+                list.clear();
                 self.free.push(slot);
-                match last {
-                    Some((first, n)) => *v = one_holder(first, n),
-                    None => *v = one_holder(0, 0),
-                }
+                *v = one_holder(first, n);
             }
-            *v == one_holder(0, 0)
+            false
         };
         if gone {
             self.paths.remove(&path);
@@ -827,7 +818,7 @@ impl LowerTiers {
                 let Some(&v) = self.pool.paths.get(p) else {
                     continue;
                 };
-                out.mark_shared(i, paths.len(), None);
+                out.mark_shared(i, paths.len());
                 if attribute {
                     for o in self.pool.holders(v) {
                         let o = o as usize;
