@@ -1,5 +1,6 @@
 //! Live-heap accounting for the replays: a global allocator that forwards to the system's
-//! and, once [`enable`]d, counts the bytes allocated and freed, so that an index's memory
+//! (or, with the `mimalloc` feature, to mimalloc, the shipped binary's allocator, for
+//! both indexes alike) and, once [`enable`]d, counts the bytes allocated and freed, so that an index's memory
 //! is measured by what it asked the allocator for, the same way for every index (ours and
 //! Dynamo's), instead of by RSS growth (which the parsed log, page granularity and the
 //! allocator's own caching blur).
@@ -12,7 +13,12 @@
 //! reads it before and after, with its own thread the only one allocating (or after the
 //! others have stopped).
 
-use std::alloc::{GlobalAlloc, Layout, System};
+#[cfg(not(feature = "mimalloc"))]
+use std::alloc::System as Inner;
+use std::alloc::{GlobalAlloc, Layout};
+
+#[cfg(feature = "mimalloc")]
+use mimalloc::MiMalloc as Inner;
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 
 /// Whether to count. `Relaxed` on both sides: it pairs with no other memory, and a thread
@@ -47,12 +53,12 @@ fn count(delta: isize) {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Counting;
 
-// SAFETY: every call forwards to `System` with the caller's arguments unchanged, so
-// `System`'s guarantees are ours; the counting touches only atomics.
+// SAFETY: every call forwards to `Inner` (`System` or `MiMalloc`) with the caller's
+// arguments unchanged, so its guarantees are ours; the counting touches only atomics.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwarded as given; the caller upholds `alloc`'s contract.
-        let p = unsafe { System.alloc(layout) };
+        let p = unsafe { Inner.alloc(layout) };
         if !p.is_null() {
             count(layout.size() as isize);
         }
@@ -61,7 +67,7 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as `alloc`.
-        let p = unsafe { System.alloc_zeroed(layout) };
+        let p = unsafe { Inner.alloc_zeroed(layout) };
         if !p.is_null() {
             count(layout.size() as isize);
         }
@@ -69,14 +75,14 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, hence from `System`, with `layout`.
-        unsafe { System.dealloc(ptr, layout) };
+        // SAFETY: `ptr` came from this allocator, hence from `Inner`, with `layout`.
+        unsafe { Inner.dealloc(ptr, layout) };
         count(-(layout.size() as isize));
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: `ptr` came from `System` with `layout`; the caller upholds the rest.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        // SAFETY: `ptr` came from `Inner` with `layout`; the caller upholds the rest.
+        let p = unsafe { Inner.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             count(new_size as isize - layout.size() as isize);
         }

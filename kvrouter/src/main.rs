@@ -12,6 +12,13 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// The request path allocates in small pieces (the tokenizer's splits, parsed JSON, hyper's
+/// buffers), and the index's nodes come in a few sizes: mimalloc serves both faster than
+/// glibc's malloc (docs/BENCHMARKS.md, "The allocator").
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// KV-cache-aware request router for LLM inference fleets.
 #[derive(Debug, Parser)]
 #[command(name = "kvrouter", version, about, long_about = None)]

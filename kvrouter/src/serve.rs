@@ -813,8 +813,10 @@ impl ServeConfig {
 /// zeroed pages: a 65,536-block route's sequence hashes and held run are 512 KiB each, and
 /// the faults were half of its cost (docs/BENCHMARKS.md, "Hostile clients"). Such blocks
 /// stay in the heap instead (mmap threshold 32 MiB, glibc's largest; up to 64 MiB free at
-/// the heap's top kept), unless the operator set either through the environment.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// the heap's top kept), unless the operator set either through the environment. A build
+/// with mimalloc (the default) does not allocate through glibc: it keeps freed spans for
+/// reuse itself and purges them only after a second unused.
+#[cfg(all(target_os = "linux", target_env = "gnu", not(feature = "mimalloc")))]
 fn keep_large_blocks_in_heap() {
     let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|v| {
         v.contains("glibc.malloc.mmap_threshold") || v.contains("glibc.malloc.trim_threshold")
@@ -836,7 +838,7 @@ fn keep_large_blocks_in_heap() {
     }
 }
 
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+#[cfg(not(all(target_os = "linux", target_env = "gnu", not(feature = "mimalloc"))))]
 fn keep_large_blocks_in_heap() {}
 
 pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
