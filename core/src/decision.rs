@@ -403,6 +403,11 @@ impl Decider {
         self.pool_readers = readers;
     }
 
+    /// Whether any pool has readers ([`Self::set_pool_readers`]).
+    pub fn has_pool_readers(&self) -> bool {
+        !self.pool_readers.is_empty()
+    }
+
     /// The decisions settled since the last call, oldest first ([`Self::keep_settled`]).
     pub fn take_settled(&mut self) -> Vec<Settled> {
         std::mem::take(&mut self.settled)

@@ -287,6 +287,14 @@ impl State {
             Err(r) => return r,
         };
         self.counters.overlaps += 1;
+        // With pool rules, a worker may read more pools than the fleet-wide ones and is
+        // then listed even without a device prefix: the known workers are taken before
+        // the lookup, whose answer borrows the decider.
+        let known = if self.decider.has_pool_readers() {
+            self.known_workers()
+        } else {
+            Vec::new()
+        };
         let now = self.now_ms();
         let index = Self::index(&self.ingest, self.cfg.kv_events);
         let (device, tiers) = self.decider.tier_overlaps(index, &locals, None, now);
@@ -305,8 +313,8 @@ impl State {
         // the top-level figure counts the pools every worker reads, and workers that also
         // read a pool with readers (`--pool-readers`) are listed with their own count.
         let shared = tiers.shared_beyond(0);
-        if let Some(tiers) = tiers.has_scoped().then(|| tiers.clone()) {
-            for w in self.known_workers() {
+        if tiers.has_scoped() {
+            for &w in &known {
                 let mine = tiers.shared_beyond_for(w, 0);
                 let listed = list
                     .iter()
