@@ -9,9 +9,12 @@ prompt_tokens_details.cached_tokens (--cached). Faults a real engine cannot be m
 produce on demand come from the request's `user` field:
   "slow"             one token every 200 ms, 200 tokens (for disconnects)
   "die_after_first"  sends the first chunk, then drops the connection
+  "linger"           waits 3 s after [DONE] before ending the chunked body
+  "after_done"       sends one more event after [DONE]
 and from --fail: every request's connection is closed before any response.
 Each request is logged as one JSON line on stdout: {"event": "request"|"cancelled"|"done",
-"name", "request_id", "dp_rank", "path", "body"}.
+"name", "request_id", "dp_rank", "path", "body", "peer"} ("peer": the client's port, which
+shows a reused connection).
 """
 import argparse
 import json
@@ -62,7 +65,7 @@ class H(BaseHTTPRequestHandler):
         rid = self.headers.get("x-request-id")
         log(event="request", name=args.name, request_id=rid,
             dp_rank=self.headers.get("x-data-parallel-rank"), path=self.path, body=req,
-            authorization=self.headers.get("authorization"))
+            authorization=self.headers.get("authorization"), peer=self.client_address[1])
         if args.fail:
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
@@ -123,6 +126,10 @@ class H(BaseHTTPRequestHandler):
                 chunk({"id": "cmpl-" + (rid or "x"), "object": "chat.completion.chunk", "created": 1,
                        "model": req.get("model"), "choices": [], "usage": usage})
             chunk(b"[DONE]")
+            if mode == "linger":
+                time.sleep(3)
+            if mode == "after_done":
+                chunk(b"late")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
             log(event="done", name=args.name, request_id=rid)

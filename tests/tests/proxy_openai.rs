@@ -323,3 +323,71 @@ fn a_lora_adapter_has_its_own_blocks_and_reaches_the_engine_by_name() {
     assert_eq!(ask("tiny-sql"), 0);
     assert_eq!(ask("tiny-sql"), base);
 }
+
+#[test]
+fn a_stream_ends_at_its_done_event_and_the_connection_is_reused_after() {
+    // Our mock engine: "linger" waits 3 s between `data: [DONE]` and the end of its
+    // chunked body; "after_done" sends one more event after `[DONE]`.
+    let a = MockEngine::start("A", &[]);
+    let r = front(&[&a]);
+    let api = r.addr().to_string();
+    let proxy = r.proxy_addr().expect("the front runs").to_string();
+    let stream = |user: &str| {
+        let body = serde_json::json!({
+            "model": "tiny", "stream": true, "user": user,
+            "messages": [{"role": "user", "content": "hello there"}],
+        });
+        let t = std::time::Instant::now();
+        let resp = http_response(
+            &proxy,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &[],
+        );
+        (resp, t.elapsed())
+    };
+    let (resp, took) = stream("linger");
+    assert_eq!(resp.status, 200);
+    assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
+    // The client's stream is whole at `[DONE]`: it does not wait for the engine's 3 s.
+    assert!(
+        took < Duration::from_secs(2),
+        "the stream waited for the engine's terminator: {took:?}"
+    );
+    // Freed at `[DONE]` too, while the engine still holds its answer open.
+    wait_until("the slot freed", Duration::from_secs(1), || {
+        active_requests(&api) == 0
+    });
+    assert!(
+        !a.log().iter().any(|l| l["event"] == "done"),
+        "the engine finished before the check: {:?}",
+        a.log()
+    );
+    // Once the engine ends its body, the connection goes back to the pool: the next
+    // request comes over the same one.
+    a.wait_for("the lingering answer ended", Duration::from_secs(10), |l| {
+        l["event"] == "done"
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let (resp, _) = stream("");
+    assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
+    let peers: Vec<_> = a
+        .log()
+        .iter()
+        .filter(|l| l["event"] == "request")
+        .map(|l| l["peer"].clone())
+        .collect();
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    assert_eq!(peers[0], peers[1], "the connection was not reused");
+    // An event after `[DONE]` never reaches the client; it is counted.
+    let (resp, _) = stream("after_done");
+    assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
+    assert!(!resp.body.contains("late"), "{:?}", resp.body);
+    wait_until("the late event counted", Duration::from_secs(5), || {
+        metric(
+            &api,
+            "kvrouter_proxy_upstream_errors_total{kind=\"after_done\"}",
+        ) == 1.0
+    });
+}

@@ -8,8 +8,9 @@
 //! and the harness make: slot added, replica sync told); the body goes to the chosen
 //! worker unchanged (apart from what a Dynamo frontend needs to be told), and the answer
 //! comes back chunk by chunk. A stream's first chunk marks the prefill done (the engine
-//! sends nothing before its first token); its end, an upstream error or the client's
-//! disconnect frees the request, and a disconnect also closes the engine connection, which
+//! sends nothing before its first token); its `data: [DONE]` event (which also ends the
+//! client's stream, without waiting for the engine's end of body), an upstream error or
+//! the client's disconnect frees the request, and a disconnect also closes the engine connection, which
 //! cancels the engine's work. A non-streaming answer arrives whole, so nothing marks its
 //! prefill done earlier: it holds its prefill charge until it is answered, then is freed.
 //!

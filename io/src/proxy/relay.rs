@@ -2,6 +2,14 @@
 //! until it is freed (see the [module docs](super)): a whole answer is read and forwarded
 //! at once; a stream is relayed chunk by chunk (its first chunk marks the prefill done),
 //! with the engine's usage counted as it passes.
+//!
+//! A stream ends for the client at the engine's `data: [DONE]` event, the OpenAI
+//! protocol's last one: that chunk and the chunked body's terminator leave in one write,
+//! and the request is freed then, without waiting for the engine's own terminator (one
+//! executor turn later, one system call more per request). The rest of the engine's
+//! answer is read by a task of its own ([`drain`]), which gives the connection back to
+//! the pool at its end; anything the engine sends after `[DONE]` is dropped and counted
+//! (`kvrouter_proxy_upstream_errors_total{kind="after_done"}`).
 
 use std::pin::Pin;
 use std::rc::Rc;
@@ -53,7 +61,7 @@ impl Front {
         let streaming = stream && parts.status == StatusCode::OK;
         if streaming {
             let relay = Relay {
-                upstream: body,
+                upstream: Some(body),
                 conn: Some(conn),
                 idle: glommio::timer::Timer::new(self.cfg.upstream.idle_timeout),
                 life,
@@ -225,7 +233,8 @@ impl Drop for Life {
 
 /// A streamed answer on its way to the client.
 pub(super) struct Relay {
-    upstream: Incoming,
+    /// The engine's body; handed to [`drain`] when the stream ends at `[DONE]`.
+    upstream: Option<Incoming>,
     /// The engine connection; back to the pool at the end, dropped (closed) otherwise.
     conn: Option<Conn>,
     idle: glommio::timer::Timer,
@@ -239,18 +248,76 @@ fn error_event(message: &str) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// Whether an SSE chunk ends with the `data: [DONE]` event.
+fn ends_with_done(data: &[u8]) -> bool {
+    let mut end = data.len();
+    while end > 0 && matches!(data[end - 1], b'\n' | b'\r') {
+        end -= 1;
+    }
+    // An event ends with a blank line: at least two line ends after its last field.
+    data.len() - end >= 2 && data[..end].ends_with(b"data: [DONE]") && {
+        let start = end - b"data: [DONE]".len();
+        start == 0 || data[start - 1] == b'\n'
+    }
+}
+
+/// Reads what is left of an engine's answer after its `[DONE]` (normally only the chunked
+/// body's terminator), then gives its connection back to the pool. A stream that breaks or
+/// goes idle here closes its connection; data after `[DONE]` is counted and dropped.
+async fn drain(front: Rc<Front>, mut body: Incoming, conn: Conn) {
+    let idle = front.cfg.upstream.idle_timeout;
+    let mut extra = false;
+    loop {
+        let next = async { Some(body.frame().await) };
+        let late = async {
+            glommio::timer::sleep(idle).await;
+            None
+        };
+        match futures_lite::future::or(next, late).await {
+            Some(Some(Ok(frame))) => {
+                if frame.data_ref().is_some_and(|d| !d.is_empty()) && !extra {
+                    extra = true;
+                    front.stats.upstream_error("after_done");
+                    crate::warn_throttled!(
+                        "an engine sent data after its stream's [DONE]; dropped (kind after_done)"
+                    );
+                }
+            }
+            Some(None) => {
+                front.pool.put(conn, front.cfg.upstream.max_idle_per_engine);
+                return;
+            }
+            Some(Some(Err(_))) | None => return,
+        }
+    }
+}
+
 impl Relay {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         if self.done {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut self.upstream).poll_frame(cx) {
+        let Some(upstream) = self.upstream.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match Pin::new(upstream).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref()
                     && !data.is_empty()
                 {
                     self.life.chunk();
                     self.life.front.usage(data);
+                    if ends_with_done(data) {
+                        // The client's stream ends with this chunk (`is_end_stream` is
+                        // true from now on, so the terminator leaves with it).
+                        self.done = true;
+                        self.life.finish();
+                        if let (Some(body), Some(conn)) = (self.upstream.take(), self.conn.take()) {
+                            glommio::spawn_local(drain(self.life.front.clone(), body, conn))
+                                .detach();
+                        }
+                        return Poll::Ready(Some(Ok(frame)));
+                    }
                 }
                 self.idle.reset(self.life.front.cfg.upstream.idle_timeout);
                 Poll::Ready(Some(Ok(frame)))
@@ -328,6 +395,32 @@ impl Body for ProxyBody {
             ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ProxyBody::Full(None) => SizeHint::with_exact(0),
             ProxyBody::Relay(_) => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ends_with_done;
+
+    #[test]
+    fn a_stream_ends_only_at_a_whole_done_event() {
+        for end in [
+            &b"data: [DONE]\n\n"[..],
+            b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n",
+            b"data: [DONE]\r\n\r\n",
+        ] {
+            assert!(ends_with_done(end), "{:?}", String::from_utf8_lossy(end));
+        }
+        for not in [
+            &b"data: [DONE]"[..],
+            b"data: [DONE]\n",
+            b"data: x[DONE]\n\n",
+            b"data: {\"text\": \"data: [DONE]\"}\n\n",
+            b"\n\n",
+            b"",
+        ] {
+            assert!(!ends_with_done(not), "{:?}", String::from_utf8_lossy(not));
         }
     }
 }

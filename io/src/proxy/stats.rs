@@ -223,7 +223,7 @@ impl ProxyStats {
         }
         let _ = writeln!(
             out,
-            "# HELP kvrouter_proxy_upstream_errors_total Exchanges with engines that failed before a response, by kind.\n# TYPE kvrouter_proxy_upstream_errors_total counter"
+            "# HELP kvrouter_proxy_upstream_errors_total Exchanges with engines that failed or broke the protocol, by kind.\n# TYPE kvrouter_proxy_upstream_errors_total counter"
         );
         for (k, n) in self.upstream_errors.borrow().iter() {
             let _ = writeln!(
