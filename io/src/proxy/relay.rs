@@ -250,14 +250,21 @@ fn error_event(message: &str) -> Bytes {
 
 /// Whether an SSE chunk ends with the `data: [DONE]` event.
 fn ends_with_done(data: &[u8]) -> bool {
+    // An event ends with a blank line: at least two line ends (CRLF, LF or CR, each one)
+    // after its last field.
     let mut end = data.len();
+    let mut line_ends = 0;
     while end > 0 && matches!(data[end - 1], b'\n' | b'\r') {
-        end -= 1;
+        end -= if data[end - 1] == b'\n' && end >= 2 && data[end - 2] == b'\r' {
+            2
+        } else {
+            1
+        };
+        line_ends += 1;
     }
-    // An event ends with a blank line: at least two line ends after its last field.
-    data.len() - end >= 2 && data[..end].ends_with(b"data: [DONE]") && {
+    line_ends >= 2 && data[..end].ends_with(b"data: [DONE]") && {
         let start = end - b"data: [DONE]".len();
-        start == 0 || data[start - 1] == b'\n'
+        start == 0 || matches!(data[start - 1], b'\n' | b'\r')
     }
 }
 
@@ -409,12 +416,15 @@ mod tests {
             &b"data: [DONE]\n\n"[..],
             b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n",
             b"data: [DONE]\r\n\r\n",
+            b"data: [DONE]\n\r\n",
+            b"data: {}\r\rdata: [DONE]\r\r",
         ] {
             assert!(ends_with_done(end), "{:?}", String::from_utf8_lossy(end));
         }
         for not in [
             &b"data: [DONE]"[..],
             b"data: [DONE]\n",
+            b"data: [DONE]\r\n",
             b"data: x[DONE]\n\n",
             b"data: {\"text\": \"data: [DONE]\"}\n\n",
             b"\n\n",
