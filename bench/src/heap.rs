@@ -1,9 +1,9 @@
 //! Live-heap accounting for the replays: a global allocator that forwards to the system's
 //! (or, with the `mimalloc` feature, to mimalloc, the shipped binary's allocator, for
-//! both indexes alike) and, once [`enable`]d, counts the bytes allocated and freed, so that an index's memory
-//! is measured by what it asked the allocator for, the same way for every index (ours and
-//! Dynamo's), instead of by RSS growth (which the parsed log, page granularity and the
-//! allocator's own caching blur).
+//! both indexes alike) and, once [`enable`]d, counts the bytes allocated and freed, so
+//! that an index's memory is measured by what it asked the allocator for, the same way
+//! for every index (ours and Dynamo's), instead of by RSS growth (which the parsed log,
+//! page granularity and the allocator's own caching blur).
 //!
 //! Counting costs one relaxed atomic add per allocation and per free, on one of 32
 //! cache-line-padded counters picked by the calling thread, so that threads do not share a
