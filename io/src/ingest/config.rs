@@ -43,8 +43,10 @@ pub struct IngestConfig {
     pub recovery_timeout: Duration,
     /// Record the arrival-to-visible latency of every message (for benchmarks).
     pub record_latency: bool,
-    /// Let idle executors spin this long before parking: lower wake-up latency for more CPU
-    /// (worth it on dedicated cores, not on a shared laptop).
+    /// Let idle executors spin this long before parking, for a lower wake-up latency at
+    /// the cost of CPU. glommio ignores it unless an executor is bound to a CPU; on a
+    /// shared host it made the ingest's latency worse (docs/BENCHMARKS.md, "Ingest over
+    /// NATS").
     pub spin_before_park: Option<Duration>,
     /// Snapshots: restored at start, written periodically, on demand and on stop. `None`:
     /// off.

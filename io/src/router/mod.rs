@@ -92,8 +92,9 @@ pub struct RouterConfig {
     pub static_workers: Vec<WorkerDp>,
     /// What one request may hold (blocks, active requests, id length).
     pub limits: Limits,
-    /// Let the API executor spin this long before parking: lower latency on a dedicated
-    /// core, wasted CPU on a shared one.
+    /// Let the API executor spin this long before parking. glommio ignores it unless the
+    /// executor is bound to a CPU (`cpu` in [`start`]); bound, on our hosts it added about
+    /// its own length to the front's latency (docs/BENCHMARKS.md), so it stays off.
     pub spin_before_park: Option<Duration>,
     /// The OpenAI-compatible front, on its own listener (absent: not served).
     pub proxy: Option<ProxyConfig>,
