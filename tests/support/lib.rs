@@ -49,8 +49,45 @@ fn nats_server_bin() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
-/// A TCP port nobody listens on now.
+/// A TCP port nobody listens on now, for a process to bind a moment later.
+///
+/// Taken below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`),
+/// where the kernel hands out no port on its own. A port from that range, once released
+/// here, can go to any socket bound to port 0 or to any outgoing connection before the
+/// process it was meant for binds it: a Dynamo mocker's own event-plane socket once took
+/// the replay port a test had picked for that mocker, and the mocker never came up.
+/// Candidates are taken in turn from an offset drawn once per process (from its id and
+/// the clock), so that one process never hands out a port twice before it has gone round
+/// the range and processes running side by side try different ports; each is checked by
+/// binding it on every address. Falls back to a port from the kernel if none is free.
 pub fn free_port() -> u16 {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FLOOR: u32 = 20_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    static START: OnceLock<u32> = OnceLock::new();
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768)
+        .min(65_536);
+    if ephemeral_low > FLOOR + 1_000 {
+        let span = ephemeral_low - FLOOR;
+        let start = *START.get_or_init(|| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0);
+            std::process::id().wrapping_mul(2_654_435_761) ^ nanos
+        });
+        for _ in 0..span.min(4_096) {
+            let i = NEXT.fetch_add(1, Ordering::Relaxed);
+            let port = (FLOOR + start.wrapping_add(i) % span) as u16;
+            if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
