@@ -23,7 +23,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvrouter_tests::etcd::Etcd;
-use kvrouter_tests::{Served, free_port, http, http_response, serve_binary};
+use kvrouter_tests::{Served, free_port, free_ports, http, http_response, serve_binary};
 use serde_json::{Value, json};
 
 struct Proc(Child);
@@ -157,12 +157,7 @@ fn setup(test: &str) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
 
 /// A base port with its successor free too (a worker's two dp ranks).
 fn free_pair() -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
+    free_ports(2)
 }
 
 fn serve(args: &[&str]) -> (Served, String, Instant) {

@@ -49,23 +49,34 @@ fn nats_server_bin() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
-/// A TCP port nobody listens on now, for a process to bind a moment later.
+/// A TCP port nobody listens on now, for a process to bind a moment later
+/// ([`free_ports`] with a run of one).
+pub fn free_port() -> u16 {
+    free_ports(1)
+}
+
+/// The first of `n` consecutive TCP ports nobody listens on now, for a process to bind a
+/// moment later (a Dynamo mocker binds a worker's dp ranks on `base + rank`).
 ///
 /// Taken below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`),
 /// where the kernel hands out no port on its own. A port from that range, once released
 /// here, can go to any socket bound to port 0 or to any outgoing connection before the
-/// process it was meant for binds it: a Dynamo mocker's own event-plane socket once took
-/// the replay port a test had picked for that mocker, and the mocker never came up.
-/// Candidates are taken in turn from an offset drawn once per process (from its id and
-/// the clock), so that one process never hands out a port twice before it has gone round
-/// the range and processes running side by side try different ports; each is checked by
-/// binding it on every address. Falls back to a port from the kernel if none is free.
-pub fn free_port() -> u16 {
+/// process it was meant for binds it, and the kernel's own picks for port 0 often come
+/// one after another, so that one test's run of ports overlapped the next one's: a Dynamo
+/// mocker then failed to bind a dp rank's port ("Address already in use") and never came
+/// up. Runs are taken in turn from an offset drawn once per process (from its id and the
+/// clock), so that one process never hands out a port twice before it has gone round the
+/// range and processes running side by side try different ports; each port is checked by
+/// binding it on every address. Falls back to the kernel's ports if none is free.
+pub fn free_ports(n: u16) -> u16 {
+    use std::net::TcpListener;
     use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU32, Ordering};
     const FLOOR: u32 = 20_000;
     static NEXT: AtomicU32 = AtomicU32::new(0);
     static START: OnceLock<u32> = OnceLock::new();
+    let n = n.max(1);
+    let free = |base: u16| (0..n).all(|k| TcpListener::bind(("0.0.0.0", base + k)).is_ok());
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
@@ -81,17 +92,22 @@ pub fn free_port() -> u16 {
             std::process::id().wrapping_mul(2_654_435_761) ^ nanos
         });
         for _ in 0..span.min(4_096) {
-            let i = NEXT.fetch_add(1, Ordering::Relaxed);
-            let port = (FLOOR + start.wrapping_add(i) % span) as u16;
-            if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
-                return port;
+            let i = NEXT.fetch_add(u32::from(n), Ordering::Relaxed);
+            let base = FLOOR + start.wrapping_add(i) % span;
+            if base + u32::from(n) <= ephemeral_low && free(base as u16) {
+                return base as u16;
             }
         }
     }
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    loop {
+        let base = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        if u32::from(base) + u32::from(n) <= 65_536 && free(base) {
+            return base;
+        }
+    }
 }
 
 impl NatsServer {
