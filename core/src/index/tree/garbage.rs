@@ -31,7 +31,8 @@ pub(crate) enum Retired {
     Edge(usize),
     /// A child table, as `Pointer::into_usize` gives it (tables are unsized too).
     Children(usize),
-    Partials(*const Partials),
+    /// A partial list, as `Pointer::into_usize` gives it (lists are unsized too).
+    Partials(usize),
 }
 
 /// A batch of retired objects; dropping it frees them.
@@ -46,14 +47,14 @@ impl Drop for Garbage {
     fn drop(&mut self) {
         for r in self.0.drain(..) {
             // SAFETY: every pointer came from `Owned::new` or `Owned::init` (crossbeam's owned
-            // pointers; `init` for the unsized edges and tables, raw::tail), was unlinked
+            // pointers; `init` for the unsized edges, tables and lists, raw::tail), was unlinked
             // before being retired, is retired once, and its grace period has passed.
             unsafe {
                 match r {
                     Retired::Node(p) => drop(Shared::from(p).into_owned()),
                     Retired::Edge(p) => drop(Shared::<Edge>::from_usize(p).into_owned()),
                     Retired::Children(p) => drop(Shared::<ChildTable>::from_usize(p).into_owned()),
-                    Retired::Partials(p) => drop(Shared::from(p).into_owned()),
+                    Retired::Partials(p) => drop(Shared::<Partials>::from_usize(p).into_owned()),
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! The lock-free primitives of the shard tree: bitsets, edge buffers, child tables, partial
-//! holder lists and the node that ties them together; edge buffers and child tables are
-//! each one allocation ([`tail`]: a capacity written once, before the pointer is published,
-//! then a header and the items). Each module states its invariants and
+//! holder lists and the node that ties them together; edge buffers, child tables and
+//! partial lists are each one allocation ([`tail`]: a capacity written once, before the
+//! pointer is published, then a header and the items). Each module states its invariants and
 //! what a concurrent reader may observe; `writer.rs` and `reader.rs` use them only through
 //! those rules.
 

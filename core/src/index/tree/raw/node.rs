@@ -72,7 +72,7 @@ impl Node {
                 n += Edge::bytes(e.cap()) + 16;
             }
             if let Some(p) = self.partial.load(Ordering::Acquire, guard).as_ref() {
-                n += 32 + p.cap() * 8;
+                n += Partials::bytes(p.cap()) + 16;
             }
             if let Some(c) = self.children.load(Ordering::Acquire, guard).as_ref() {
                 n += ChildTable::bytes(c.cap()) + 16;

@@ -1,7 +1,7 @@
 //! One allocation for a small header and a run of items, owned through crossbeam-epoch's
 //! one-word pointers ([`Atomic`](crossbeam_epoch::Atomic), [`Owned`], `Shared`).
 //!
-//! Edge buffers and child tables are read on every level of every lookup. Kept as a header
+//! Edge buffers, child tables and partial lists are read on every level of every lookup. Kept as a header
 //! pointing at a separate array (`Box<[T]>`), each costs two dependent loads: the header,
 //! then the array. As a [`Tail`] the items follow the header in the same allocation, so a
 //! reader that has the pointer reaches them in one (the first items usually share the

@@ -154,10 +154,10 @@ impl ShardWriter {
                 let cap = (m.partial_cap * 2).max(2);
                 // SAFETY: the writer's own list.
                 let grown = Partials::grown(unsafe { old.as_ref() }, cap as usize);
-                node.partial.store(Owned::new(grown), Ordering::Release);
+                node.partial.store(grown, Ordering::Release);
                 if !old.is_null() {
                     // Replaced above: freed after current readers unpin.
-                    self.garbage.retire(Retired::Partials(old.as_raw()));
+                    self.garbage.retire(Retired::Partials(old.into_usize()));
                 }
                 self.nodes[x as usize].partial_cap = cap;
             }
