@@ -67,7 +67,7 @@ pub fn free_port() -> u16 {
 /// up. Runs are taken in turn from an offset drawn once per process (from its id and the
 /// clock), so that one process never hands out a port twice before it has gone round the
 /// range and processes running side by side try different ports; each port is checked by
-/// binding it on every address. Falls back to the kernel's ports if none is free.
+/// binding it on every IPv4 address. Falls back to the kernel's ports if none is free.
 pub fn free_ports(n: u16) -> u16 {
     use std::net::TcpListener;
     use std::sync::OnceLock;
@@ -89,17 +89,17 @@ pub fn free_ports(n: u16) -> u16 {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.subsec_nanos())
                 .unwrap_or(0);
-            std::process::id().wrapping_mul(2_654_435_761) ^ nanos
+            (std::process::id().wrapping_mul(2_654_435_761) ^ nanos) % span
         });
         for _ in 0..span.min(4_096) {
             let i = NEXT.fetch_add(u32::from(n), Ordering::Relaxed);
-            let base = FLOOR + start.wrapping_add(i) % span;
+            let base = FLOOR + ((u64::from(start) + u64::from(i)) % u64::from(span)) as u32;
             if base + u32::from(n) <= ephemeral_low && free(base as u16) {
                 return base as u16;
             }
         }
     }
-    loop {
+    for _ in 0..1_000 {
         let base = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -108,6 +108,7 @@ pub fn free_ports(n: u16) -> u16 {
             return base;
         }
     }
+    panic!("no run of {n} free TCP ports in 1,000 tries");
 }
 
 impl NatsServer {

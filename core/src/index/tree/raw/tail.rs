@@ -1,9 +1,9 @@
 //! One allocation for a small header and a run of items, owned through crossbeam-epoch's
 //! one-word pointers ([`Atomic`](crossbeam_epoch::Atomic), [`Owned`], `Shared`).
 //!
-//! Edge buffers, child tables and partial lists are read on every level of every lookup. Kept as a header
-//! pointing at a separate array (`Box<[T]>`), each costs two dependent loads: the header,
-//! then the array. As a [`Tail`] the items follow the header in the same allocation, so a
+//! Edge buffers and child tables are read on every level of every lookup, partial lists
+//! at every node that has one. Kept as a header pointing at a separate array
+//! (`Box<[T]>`), each costs two dependent loads: the header, then the array. As a [`Tail`] the items follow the header in the same allocation, so a
 //! reader that has the pointer reaches them in one (the first items usually share the
 //! header's cache line: the allocation is only word-aligned).
 //!
@@ -27,7 +27,8 @@ pub(crate) trait Blank {
 #[repr(C)]
 pub(crate) struct Tail<H, T> {
     cap: usize,
-    // Private to `raw`: edge.rs and children.rs reach them only through their protocols.
+    // Private to `raw`: edge.rs, children.rs and partial.rs reach them only through their
+    // protocols.
     pub(super) head: H,
     pub(super) items: [T],
 }
