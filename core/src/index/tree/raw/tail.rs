@@ -3,9 +3,10 @@
 //!
 //! Edge buffers and child tables are read on every level of every lookup, partial lists
 //! at every node that has one. Kept as a header pointing at a separate array
-//! (`Box<[T]>`), each costs two dependent loads: the header, then the array. As a [`Tail`] the items follow the header in the same allocation, so a
-//! reader that has the pointer reaches them in one (the first items usually share the
-//! header's cache line: the allocation is only word-aligned).
+//! (`Box<[T]>`), each costs two dependent loads: the header, then the array. As a
+//! [`Tail`] the items follow the header in the same allocation, so a reader that has the
+//! pointer reaches them in one (the first items usually share the header's cache line:
+//! the allocation is only word-aligned).
 //!
 //! A `Tail` is unsized (its last field is a slice); crossbeam keeps it behind a thin
 //! pointer through the [`Pointable`] hooks below, which store the capacity first in the
