@@ -385,3 +385,25 @@ pub fn serve_binary(bin: &str, args: &[&str]) -> Served {
         .to_owned();
     Served { child, api }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_of_free_ports_do_not_overlap_and_stay_below_the_ephemeral_range() {
+        let runs: Vec<u16> = (0..50).map(|_| free_ports(2)).collect();
+        let mut ports: Vec<u16> = runs.iter().flat_map(|&b| [b, b + 1]).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        assert_eq!(ports.len(), 100, "runs overlap: {runs:?}");
+        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok());
+        if let Some(low) = low.filter(|&l| l > 21_000) {
+            assert!(ports.iter().all(|&p| p < low), "{ports:?} reach {low}");
+        }
+        let one = free_port();
+        assert!(!ports.contains(&one), "{one} handed out twice");
+    }
+}
