@@ -1,11 +1,13 @@
 //! The mock engine: one inference worker's KV cache and scheduler, in virtual time.
 //!
 //! * **KV block manager**: `capacity` blocks of `block_size` tokens; a request reuses the
-//!   longest cached prefix of its blocks; missing blocks are allocated when its prefill
-//!   starts, evicting least-recently-used *leaves* (cached blocks with no cached child and no
-//!   running request) one by one, each eviction published as a removed event; the new blocks
-//!   are published as one stored event when the prefill completes. Output tokens are not
-//!   cached (the next turn's prompt carries them).
+//!   longest cached prefix of its blocks; memory for its missing blocks is promised when it
+//!   is admitted (its prefill starts), evicting least-recently-used *leaves* (cached blocks
+//!   with no cached child and no running request) one by one, each eviction published as a
+//!   removed event, and admission waits while those blocks do not fit beside the ones
+//!   already promised to other prefills; the new blocks are published as one stored event
+//!   when the prefill completes. Output tokens are not cached (the next turn's prompt
+//!   carries them) and take no blocks.
 //! * **Continuous batching with chunked prefill**: each step runs one decode token for every
 //!   running request past its prefill, plus prefill chunks of the others in arrival order,
 //!   up to `max_batch_tokens` tokens in all.
@@ -281,6 +283,9 @@ pub struct EngineRequest {
     cached_blocks: usize,
     /// Blocks found cached (device or host) when it was admitted.
     hit_blocks: usize,
+    /// Memory promised to its fresh blocks at admission, until its prefill completes and
+    /// they are cached (blocks).
+    reserved: usize,
     prefilled: u32,
     generated: u32,
     admitted: bool,
@@ -301,6 +306,7 @@ impl EngineRequest {
             blocks,
             cached_blocks: 0,
             hit_blocks: 0,
+            reserved: 0,
             prefilled: 0,
             generated: 0,
             admitted: false,
@@ -311,6 +317,8 @@ impl EngineRequest {
 /// What a step produced.
 #[derive(Debug, Default)]
 pub struct StepOutcome {
+    /// Requests admitted (given their memory) as this step began.
+    pub admitted: Vec<usize>,
     /// Requests that produced their first token.
     pub first_tokens: Vec<usize>,
     /// Prompt blocks each of `first_tokens` found cached (device or host memory), in order.
@@ -362,6 +370,11 @@ pub struct Engine {
     /// The generation at which the head of the queue last did not fit: until it changes,
     /// admission has nothing to try (decode-only steps skip it).
     blocked_at: Option<u64>,
+    /// Blocks promised to admitted requests whose prefill has not completed: their fresh
+    /// blocks are cached only then, and the memory must be there when it does.
+    reserved: usize,
+    /// Requests admitted since the last step began (reported by the next one).
+    admitted: Vec<usize>,
     /// Prompt blocks served from the device cache (for hit ratios).
     pub hit_blocks: u64,
     /// Prompt blocks onloaded from host memory.
@@ -388,6 +401,8 @@ impl Engine {
             onload_ms: 0.0,
             generation: 0,
             blocked_at: None,
+            reserved: 0,
+            admitted: Vec::new(),
             hit_blocks: 0,
             host_hit_blocks: 0,
             prompt_blocks: 0,
@@ -554,7 +569,10 @@ impl Engine {
                 .as_ref()
                 .map_or(0, |p| p.borrow().continuation(&r.blocks, hit + onload));
             let need = r.blocks.len() - hit;
-            let free = self.cfg.capacity_blocks.saturating_sub(self.blocks.len());
+            let free = self
+                .cfg
+                .capacity_blocks
+                .saturating_sub(self.blocks.len() + self.reserved);
             let evictable = self.leaves.len();
             if need > free + evictable && !self.running.is_empty() {
                 // Not enough room until running requests finish.
@@ -577,7 +595,7 @@ impl Engine {
             }
             let mut removed = Vec::new();
             let mut off = Offloads::default();
-            while self.blocks.len() + need > self.cfg.capacity_blocks {
+            while self.blocks.len() + self.reserved + need > self.cfg.capacity_blocks {
                 match self.evict_one(&mut off) {
                     Some(seq) => removed.push(SequenceBlockHash(seq)),
                     None => break,
@@ -606,8 +624,14 @@ impl Engine {
             self.prompt_blocks += r.blocks.len() as u64;
             r.cached_blocks = cached;
             r.hit_blocks = cached;
-            r.prefilled = (cached as u32 * self.cfg.block_size).min(r.input_tokens);
+            r.reserved = need - onloaded - from_pool;
+            self.reserved += r.reserved;
+            // As real engines do, the last prompt token is always computed, even when the
+            // whole prompt is cached: it yields the first token.
+            r.prefilled =
+                (cached as u32 * self.cfg.block_size).min(r.input_tokens.saturating_sub(1));
             r.admitted = true;
+            self.admitted.push(r.id);
             self.running.push(r);
             self.generation += 1;
         }
@@ -675,6 +699,7 @@ impl Engine {
         // The request's blocks, taken for the walk (no copy) and put back after it.
         let blocks = std::mem::take(&mut self.running[idx].blocks);
         let hit = self.running[idx].cached_blocks;
+        self.reserved -= std::mem::take(&mut self.running[idx].reserved);
         let mut parent = if hit > 0 {
             Some(blocks[hit - 1].1.0)
         } else {
@@ -694,10 +719,11 @@ impl Engine {
                 held += 1;
                 continue;
             }
-            if self.blocks.len() >= self.cfg.capacity_blocks {
+            if self.blocks.len() + self.reserved >= self.cfg.capacity_blocks {
                 match self.evict_one(&mut off) {
                     Some(seq) => removed.push(SequenceBlockHash(seq)),
-                    // Full of blocks in use: the rest of the prompt is not cached.
+                    // Full of blocks in use (a prompt larger than the whole cache, let in
+                    // alone): the rest of the prompt is not cached.
                     None => break,
                 }
             }
@@ -746,7 +772,10 @@ impl Engine {
         let mut budget = self.cfg.max_batch_tokens;
         let mut prefill_tokens = 0u32;
         let mut kv_tokens = 0u64;
-        let mut out = StepOutcome::default();
+        let mut out = StepOutcome {
+            admitted: std::mem::take(&mut self.admitted),
+            ..StepOutcome::default()
+        };
         // Decode first (one token each), then prefill chunks in arrival order.
         let mut decoding = Vec::new();
         let mut prefilling = Vec::new();
@@ -887,6 +916,67 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_cached_whole_still_has_a_first_token() {
+        let cfg = EngineConfig {
+            block_size: 4,
+            capacity_blocks: 6,
+            max_batch_tokens: 100,
+            ..Default::default()
+        };
+        let mut e = Engine::new(1, cfg);
+        for id in 0..2 {
+            e.submit(EngineRequest::new(id, 8, 2, chain(&[1, 2])));
+            let mut firsts = Vec::new();
+            while let Some((_, out)) = e.step() {
+                firsts.extend(out.first_tokens);
+            }
+            assert_eq!(firsts, vec![id]);
+        }
+        assert_eq!(e.hit_blocks, 2);
+    }
+
+    #[test]
+    fn prefills_that_do_not_fit_together_are_admitted_one_after_another() {
+        // Room for 6 blocks; two prompts of 5 fresh blocks each, submitted together. The
+        // second waits until the first has finished and released its blocks, so each is
+        // cached whole: memory is promised at admission, not only when a prefill ends.
+        let cfg = EngineConfig {
+            block_size: 4,
+            capacity_blocks: 6,
+            max_batch_tokens: 100,
+            ..Default::default()
+        };
+        let mut e = Engine::new(1, cfg);
+        let mut index = ReferenceIndex::new();
+        e.submit(EngineRequest::new(0, 20, 3, chain(&[1, 2, 3, 4, 5])));
+        e.submit(EngineRequest::new(1, 20, 3, chain(&[6, 7, 8, 9, 10])));
+        let (mut admitted, mut firsts, mut finished) = (Vec::new(), Vec::new(), Vec::new());
+        while let Some((_, out)) = e.step() {
+            assert!(e.blocks.len() + e.reserved <= cfg.capacity_blocks);
+            admitted.push(out.admitted);
+            firsts.extend(out.first_tokens);
+            finished.extend(out.finished.iter().map(|&id| (id, admitted.len())));
+            for ev in e.take_events() {
+                index.apply(ev).expect("the engine's events apply cleanly");
+            }
+            assert!(index.block_count() <= cfg.capacity_blocks);
+        }
+        assert_eq!(admitted[0], vec![0], "{admitted:?}");
+        let second = admitted
+            .iter()
+            .position(|a| a == &vec![1])
+            .expect("admitted");
+        assert!(second >= finished[0].1, "{admitted:?} {finished:?}");
+        assert_eq!(firsts, vec![0, 1]);
+        // Both prompts were cached whole in their turn: the second evicted all but the
+        // first's root to make room for its five.
+        assert_eq!(e.prompt_blocks, 10);
+        assert_eq!(e.cached_blocks(), 6);
+        assert_eq!(index.block_count(), 6);
+        assert_eq!(e.reserved, 0);
+    }
+
+    #[test]
     fn reuses_prefixes_evicts_leaves_and_publishes_exact_events() {
         let cfg = EngineConfig {
             block_size: 4,
@@ -965,15 +1055,16 @@ mod tests {
         );
         assert_eq!((e.cached_blocks(), e.host_blocks()), (4, 4));
         assert_eq!(tiers_of(&index, &[1, 2, 3, 4]), (0, 4));
-        // A again: onloaded (4 ms on its first step), not prefilled; B goes to host memory,
-        // which (6 blocks) keeps B's 4 and 2 of A's copies.
+        // A again: onloaded (4 ms on its first step, which computes only its last token),
+        // not prefilled; B goes to host memory, which (6 blocks) keeps B's 4 and 2 of A's
+        // copies.
         let ms = run(
             &mut e,
             &mut index,
             EngineRequest::new(2, 16, 1, chain(&[1, 2, 3, 4])),
         );
         assert_eq!((e.hit_blocks, e.host_hit_blocks), (0, 4));
-        assert_eq!(ms[0], cfg.step_ms(0, 16) + 4.0, "{ms:?}");
+        assert_eq!(ms[0], cfg.step_ms(1, 15) + 4.0, "{ms:?}");
         assert_eq!(e.host_blocks(), 6);
         assert_eq!(tiers_of(&index, &[1, 2, 3, 4]), (4, 0));
         assert_eq!(index.block_count(), e.cached_blocks());
