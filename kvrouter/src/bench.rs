@@ -45,6 +45,10 @@ pub(crate) struct BenchArgs {
     /// Write the TTFT CDF of every policy here (SVG).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Write every request's outcome here, one CSV line per request and policy (and
+    /// speed): worker, arrival, first token, completion, prompt tokens, cached blocks.
+    #[arg(long)]
+    outcomes: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineFlags,
     /// Our policies' credit per cached block (Dynamo's `overlap_score_weight`), in [0, 1].
@@ -265,6 +269,10 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         } else {
             harness::write_json(p, &runs[0])?;
         }
+        eprintln!("wrote {}", p.display());
+    }
+    if let Some(p) = &args.outcomes {
+        harness::write_outcomes_csv(p, &speeds, &runs)?;
         eprintln!("wrote {}", p.display());
     }
     if let Some(p) = &args.plot {

@@ -50,6 +50,7 @@ fn bench_writes_the_contracted_json_and_plot() {
     let dir = TempDir::new("contract");
     let json = dir.path().join("out.json");
     let plot = dir.path().join("ttft.svg");
+    let outcomes = dir.path().join("outcomes.csv");
     let stdout = kvrouter_ok(&[
         "bench",
         "--workers",
@@ -66,6 +67,8 @@ fn bench_writes_the_contracted_json_and_plot() {
         json.to_str().unwrap(),
         "--plot",
         plot.to_str().unwrap(),
+        "--outcomes",
+        outcomes.to_str().unwrap(),
     ]);
     for p in ["kv-aware", "round-robin", "random", "least-loaded"] {
         assert!(
@@ -121,6 +124,24 @@ fn bench_writes_the_contracted_json_and_plot() {
     );
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("kv-aware") && svg.contains("<polyline"));
+    // One line per request and policy; the workers the lines name add up to the JSON's.
+    let csv = std::fs::read_to_string(&outcomes).unwrap();
+    let mut lines = csv.lines();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .starts_with("speed,policy,request,worker,")
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 4 * 120);
+    let mut rr = [0u64; 4];
+    for r in rows.iter().filter(|r| r[1] == "round-robin") {
+        rr[r[3].parse::<usize>().unwrap()] += 1;
+        let (arrival, first): (f64, f64) = (r[4].parse().unwrap(), r[6].parse().unwrap());
+        assert!(first > arrival, "{r:?}");
+    }
+    assert_eq!(rr, [30, 30, 30, 30]);
 }
 
 #[test]

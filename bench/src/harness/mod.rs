@@ -19,7 +19,7 @@ pub mod trace;
 pub use engine::EngineConfig;
 pub use report::{
     PolicyReport, Utilisation, WorkerUtilisation, sweep_table, utilisation_lines, write_json,
-    write_svg, write_sweep_json, write_sweep_svg,
+    write_outcomes_csv, write_svg, write_sweep_json, write_sweep_svg,
 };
 pub use sim::{Ideals, Policy, SimConfig, simulate};
 pub use trace::{

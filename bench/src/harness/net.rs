@@ -657,8 +657,12 @@ pub fn run_networked(
             };
             in_flight[w] += 1;
             recs[i] = Some(RequestOutcome {
+                request: i,
+                input_tokens: r.input_length,
+                cached_blocks: None,
                 worker: w,
                 arrival: arrival(i),
+                admitted: None,
                 first: None,
                 done: None,
                 itl: None,
@@ -851,8 +855,12 @@ fn run_openai(
                     a.worker + 1
                 );
                 recs[i] = Some(RequestOutcome {
+                    request: i,
+                    input_tokens: trace[i].input_length,
+                    cached_blocks: Some(a.cached_tokens / block),
                     worker: a.worker,
                     arrival: arrival(i),
+                    admitted: None,
                     first: Some(a.first_ms),
                     done: Some(a.done_ms),
                     itl: a.itl_ms,

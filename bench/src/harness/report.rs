@@ -36,10 +36,19 @@ pub struct MeanP99 {
 /// What happened to one request (times in ms from the start of the replay).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RequestOutcome {
+    /// Its line in the trace (0-based).
+    pub request: usize,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Prompt blocks its engine found cached when it was admitted (device, host or pool),
+    /// where the run can tell (`None` over NATS without the OpenAI front).
+    pub cached_blocks: Option<u64>,
     /// Worker index it was routed to.
     pub worker: usize,
     /// Arrival.
     pub arrival: f64,
+    /// When its engine gave it memory and began its prefill (in-process runs only).
+    pub admitted: Option<f64>,
     /// First token.
     pub first: Option<f64>,
     /// Completion.
@@ -93,6 +102,9 @@ pub struct PolicyReport {
     /// Sorted TTFTs, ms (for the plot).
     #[serde(skip)]
     pub ttfts: Vec<f64>,
+    /// Every request's outcome, in trace order (for `--outcomes`).
+    #[serde(skip)]
+    pub outcomes: Vec<RequestOutcome>,
 }
 
 /// The busiest and the idlest worker (by requests served), over time: herding seen, not
@@ -232,6 +244,7 @@ impl PolicyReport {
             completed,
             utilisation: None,
             ttfts: ttft,
+            outcomes: Vec::new(),
         }
     }
 
@@ -259,7 +272,7 @@ impl PolicyReport {
                 completed += 1;
             }
         }
-        PolicyReport::new(
+        let mut report = PolicyReport::new(
             policy,
             ttft,
             itl,
@@ -273,7 +286,9 @@ impl PolicyReport {
             },
             ideals,
             per_worker,
-        )
+        );
+        report.outcomes = outcomes.to_vec();
+        report
     }
 
     /// Sets the trace's ideals (computed beside the simulations).
@@ -514,6 +529,45 @@ pub fn write_json(path: &Path, reports: &[PolicyReport]) -> anyhow::Result<()> {
     let map: BTreeMap<&str, &PolicyReport> =
         reports.iter().map(|r| (r.policy.as_str(), r)).collect();
     std::fs::write(path, serde_json::to_vec_pretty(&map)?)?;
+    Ok(())
+}
+
+/// Writes every request's outcome of every run as CSV, one line per request and policy:
+/// `speed,policy,request,worker,arrival_ms,admitted_ms,first_ms,done_ms,input_tokens,cached_blocks`
+/// (times in ms on the replay's clock; an empty field where the run does not know).
+pub fn write_outcomes_csv(
+    path: &Path,
+    speeds: &[f64],
+    runs: &[Vec<PolicyReport>],
+) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(
+        w,
+        "speed,policy,request,worker,arrival_ms,admitted_ms,first_ms,done_ms,input_tokens,\
+         cached_blocks"
+    )?;
+    let opt = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.3}"));
+    for (speed, reports) in speeds.iter().zip(runs) {
+        for r in reports {
+            for o in &r.outcomes {
+                writeln!(
+                    w,
+                    "{speed},{},{},{},{:.3},{},{},{},{},{}",
+                    r.policy,
+                    o.request,
+                    o.worker,
+                    o.arrival,
+                    opt(o.admitted),
+                    opt(o.first),
+                    opt(o.done),
+                    o.input_tokens,
+                    o.cached_blocks.map_or_else(String::new, |c| c.to_string()),
+                )?;
+            }
+        }
+    }
+    w.flush()?;
     Ok(())
 }
 

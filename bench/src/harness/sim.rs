@@ -169,7 +169,10 @@ enum Ev {
 
 struct Record {
     worker: usize,
+    input_tokens: u32,
+    cached_blocks: Option<u64>,
     arrival: f64,
+    admitted: Option<f64>,
     first: Option<f64>,
     last: f64,
     finish: Option<f64>,
@@ -382,7 +385,10 @@ fn run(
                 ));
                 records[i] = Some(Record {
                     worker: w,
+                    input_tokens: r.input_length,
+                    cached_blocks: None,
                     arrival: now,
+                    admitted: None,
                     first: None,
                     last: now,
                     finish: None,
@@ -401,9 +407,10 @@ fn run(
                     for e in engines[w].take_events() {
                         let _ = router.index.apply(e);
                     }
-                    for id in out.first_tokens {
+                    for (id, cached) in out.first_tokens.into_iter().zip(out.first_cached) {
                         let rec = records[id].as_mut().expect("routed");
                         rec.first = Some(now);
+                        rec.cached_blocks = Some(cached as u64);
                         rec.last = now;
                         rec.tokens = 1;
                         let _ = router.decider.first_token(&id.to_string(), now as u64);
@@ -429,6 +436,9 @@ fn run(
                 match engines[w].step() {
                     Some((ms, out)) => {
                         busy.add(w, now, ms);
+                        for &id in &out.admitted {
+                            records[id].as_mut().expect("routed").admitted = Some(now);
+                        }
                         pending[w] = Some(out);
                         heap.push(Reverse((at(now + ms), seq, Ev::StepEnd(w))));
                         seq += 1;
@@ -447,10 +457,15 @@ fn run(
         .map_or(0.0, |r| r.timestamp as f64 / cfg.speed);
     let outcomes: Vec<RequestOutcome> = records
         .iter()
-        .flatten()
-        .map(|rec| RequestOutcome {
+        .enumerate()
+        .filter_map(|(i, rec)| rec.as_ref().map(|rec| (i, rec)))
+        .map(|(request, rec)| RequestOutcome {
+            request,
+            input_tokens: rec.input_tokens,
+            cached_blocks: rec.cached_blocks,
             worker: rec.worker,
             arrival: rec.arrival,
+            admitted: rec.admitted,
             first: rec.first,
             done: rec.finish,
             itl: (rec.tokens > 1).then(|| rec.gaps / (rec.tokens - 1) as f64),
@@ -746,6 +761,54 @@ mod tests {
         assert!(ours.prefix_hit_ratio > 0.85 * ideals.capacity, "{ideals:?}");
         assert!(ours.ttft_ms.mean < dynamo.ttft_ms.mean);
         assert!(ours.share_ratio() <= 2.0, "{:?}", ours.requests_per_worker);
+    }
+
+    #[test]
+    fn every_request_has_an_outcome_that_agrees_with_the_summary() {
+        let trace = conversations();
+        let cfg = cfg();
+        let hashes = TraceHashes::new(&trace, cfg.engine.block_size);
+        let ideals = Ideals::compute(&trace, &hashes, &cfg);
+        let r = simulate(&trace, &hashes, Policy::KvAware, &cfg, &ideals, |_| {});
+        assert_eq!(r.outcomes.len(), trace.len());
+        let (mut cached, mut prompt) = (0u64, 0u64);
+        for (i, o) in r.outcomes.iter().enumerate() {
+            assert_eq!(o.request, i);
+            assert_eq!(o.input_tokens, trace[i].input_length);
+            let (admitted, first, done) = (
+                o.admitted.expect("admitted"),
+                o.first.expect("first token"),
+                o.done.expect("done"),
+            );
+            assert!(
+                o.arrival <= admitted && admitted < first && first <= done,
+                "{o:?}"
+            );
+            let blocks = hashes.locals(&trace[i]).len() as u64;
+            let c = o.cached_blocks.expect("in-process");
+            assert!(c <= blocks, "{o:?}");
+            cached += c;
+            prompt += blocks;
+        }
+        // No host tier or pool here: what each engine found cached is its device hits.
+        assert!((cached as f64 / prompt as f64 - r.prefix_hit_ratio).abs() < 1e-12);
+        let ttft_sum: f64 = r
+            .outcomes
+            .iter()
+            .map(|o| o.first.unwrap() - o.arrival)
+            .sum();
+        assert!((ttft_sum / trace.len() as f64 - r.ttft_ms.mean).abs() < 1e-6);
+        let dir = std::env::temp_dir().join(format!("kvrouter-outcomes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("o.csv");
+        super::super::report::write_outcomes_csv(&path, &[1.0], &[vec![r]]).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), trace.len() + 1);
+        assert!(lines[0].starts_with("speed,policy,request,worker,arrival_ms,admitted_ms"));
+        assert!(lines[1].starts_with("1,kv-aware,0,"), "{}", lines[1]);
+        assert!(lines.iter().all(|l| l.split(',').count() == 10));
     }
 
     #[test]
