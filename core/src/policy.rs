@@ -65,9 +65,7 @@
 //! prefilled them and published them. When turns queue (load, long prompts), a session's
 //! next turn often arrives while its previous one is still waiting or prefilling, and the
 //! exact index then says the session's worker holds nothing: the exact policy moves the
-//! session and recomputes its prompt. On the whole trace, overloaded, the prefix the
-//! index offered at routing time was 48 % of the prompt blocks against 57 % hit later at
-//! admission. `credit_inflight` (on in ours, off in Dynamo's) carries the approximate
+//! session and recomputes its prompt. `credit_inflight` (on in ours, off in Dynamo's) carries the approximate
 //! mode's knowledge over exactly: a worker is credited with the longest prefix of the
 //! request that its own active requests hold (the slot manager's per-worker prefix tree),
 //! when that is longer than what its events have shown. Blocks of a request still
@@ -88,9 +86,12 @@
 //! prompts are alike; for a short cached request among long ones it over-charges (it
 //! stays behind a longer queue than it should).
 //!
-//! What the saturation charge did not close on the overloaded whole trace (the
-//! approximate mode's mean TTFT 5–22 % lower, seed by seed) is the rest of that
-//! stickiness, and the router can carry it over explicitly: with
+//! What the saturation charge does not close is the rest of that stickiness, where
+//! engines wait for KV memory rather than for prefill: on the whole agentic trace the
+//! approximate mode's mean and p99 TTFT are about half ours, seed by seed. Moving a
+//! session whose blocks were evicted buys no shorter wait there (every worker is short of
+//! memory), and it costs a recompute and a second copy. The router can carry the
+//! stickiness over explicitly: with
 //! `DeciderConfig::remember` (`kvrouter serve --remember-decisions-secs`) the exact
 //! router also records its own decisions, as the approximate mode does, and credits a
 //! worker with the longer of the index's prefix and the remembered one. Where the index
@@ -98,8 +99,11 @@
 //! approximate mode; where nothing was evicted the two agree and nothing changes. With a
 //! 120 s memory the exact router's mean on the whole trace goes below the approximate
 //! mode's on three seeds of three (docs/BENCHMARKS.md); but it keeps sessions on workers
-//! that no longer hold them at merely high loads too, which costs 5–23 % of the mean there,
-//! so it is off by default: it is for fleets whose caches are overcommitted.
+//! that no longer hold them where the wait is for prefill too, which costs 23–98 % of the
+//! mean on the first 6,000 agentic requests at speed 1, so it is off by default: it is for
+//! fleets whose engines wait for memory. Telling the two apart per worker would need the
+//! engine's memory size (Dynamo's engines publish `kv_total_blocks`), which the router
+//! does not ingest yet.
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
