@@ -89,10 +89,10 @@
 //! What the saturation charge does not close is the rest of that stickiness, where
 //! engines wait for KV memory rather than for prefill: on the whole agentic trace the
 //! approximate mode's mean and p99 TTFT are about half ours, seed by seed. Moving a
-//! session whose blocks were evicted buys no shorter wait there (every worker is short of
-//! memory), and it costs a recompute and a second copy. The router can carry the
-//! stickiness over explicitly: with
-//! `DeciderConfig::remember` (`kvrouter serve --remember-decisions-secs`) the exact
+//! session whose blocks were evicted shortens that turn's wait, but every worker is short
+//! of memory, and the recompute and the second copy it leaves take prefill time and
+//! memory from every other request. The router can carry the stickiness over explicitly:
+//! with `DeciderConfig::remember` (`kvrouter serve --remember-decisions-secs`) the exact
 //! router also records its own decisions, as the approximate mode does, and credits a
 //! worker with the longer of the index's prefix and the remembered one. Where the index
 //! shows a session's blocks evicted, the session still stays where it was, as under the
