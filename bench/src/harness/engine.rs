@@ -373,6 +373,10 @@ pub struct Engine {
     /// Blocks promised to admitted requests whose prefill has not completed: their fresh
     /// blocks are cached only then, and the memory must be there when it does.
     reserved: usize,
+    /// Cached blocks some running request uses (`refs > 0`). A request holds its whole
+    /// cached prefix, so these are closed under parents, and every other cached block can
+    /// be evicted, leaf after leaf.
+    in_use: usize,
     /// Requests admitted since the last step began (reported by the next one).
     admitted: Vec<usize>,
     /// Prompt blocks served from the device cache (for hit ratios).
@@ -402,6 +406,7 @@ impl Engine {
             generation: 0,
             blocked_at: None,
             reserved: 0,
+            in_use: 0,
             admitted: Vec::new(),
             hit_blocks: 0,
             host_hit_blocks: 0,
@@ -446,6 +451,9 @@ impl Engine {
             self.generation += 1;
         }
         b.last_used = self.clock;
+        if b.refs == 0 {
+            self.in_use += 1;
+        }
         b.refs += 1;
     }
 
@@ -455,8 +463,14 @@ impl Engine {
         };
         self.generation += 1;
         let was_leaf = b.refs == 0 && b.children == 0;
+        let was_used = b.refs > 0;
         b.refs = (b.refs as i32 + delta) as u32;
         let is_leaf = b.refs == 0 && b.children == 0;
+        match (was_used, b.refs > 0) {
+            (false, true) => self.in_use += 1,
+            (true, false) => self.in_use -= 1,
+            _ => {}
+        }
         let key = (b.last_used, seq);
         if was_leaf && !is_leaf {
             self.leaves.remove(&key);
@@ -573,7 +587,8 @@ impl Engine {
                 .cfg
                 .capacity_blocks
                 .saturating_sub(self.blocks.len() + self.reserved);
-            let evictable = self.leaves.len();
+            // Every cached block no running request uses can go, leaf after leaf.
+            let evictable = self.blocks.len() - self.in_use;
             if need > free + evictable && !self.running.is_empty() {
                 // Not enough room until running requests finish.
                 self.waiting.push_front(r);
@@ -682,6 +697,7 @@ impl Engine {
             }
             pb.children += 1;
         }
+        self.in_use += 1;
         self.blocks.insert(
             s.0,
             Block {
@@ -936,6 +952,37 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_chain_nobody_uses_makes_room_whole() {
+        // Room for 8 blocks. A's 5-block chain stays cached after A ends: one leaf, five
+        // evictable blocks. C (2 blocks, a long answer) runs; D needs 4 fresh blocks with
+        // 1 free. It is admitted at once, A's chain evicted leaf after leaf, rather than
+        // waiting for C to end because only one leaf could be seen.
+        let cfg = EngineConfig {
+            block_size: 4,
+            capacity_blocks: 8,
+            max_batch_tokens: 100,
+            ..Default::default()
+        };
+        let mut e = Engine::new(1, cfg);
+        e.submit(EngineRequest::new(0, 20, 1, chain(&[1, 2, 3, 4, 5])));
+        while e.step().is_some() {}
+        e.submit(EngineRequest::new(1, 8, 50, chain(&[10, 11])));
+        let (_, out) = e.step().expect("running");
+        assert_eq!(out.admitted, vec![1]);
+        assert_eq!((e.blocks.len(), e.in_use), (7, 2));
+        e.submit(EngineRequest::new(2, 16, 1, chain(&[20, 21, 22, 23])));
+        let (_, out) = e.step().expect("running");
+        assert_eq!(out.admitted, vec![2]);
+        let mut finished = out.finished;
+        while let Some((_, out)) = e.step() {
+            assert_eq!(e.in_use, e.blocks.values().filter(|b| b.refs > 0).count());
+            finished.extend(out.finished);
+        }
+        assert_eq!(finished, vec![2, 1]);
+        assert_eq!(e.in_use, 0);
+    }
+
+    #[test]
     fn prefills_that_do_not_fit_together_are_admitted_one_after_another() {
         // Room for 6 blocks; two prompts of 5 fresh blocks each, submitted together. The
         // second waits until the first has finished and released its blocks, so each is
@@ -953,6 +1000,7 @@ mod tests {
         let (mut admitted, mut firsts, mut finished) = (Vec::new(), Vec::new(), Vec::new());
         while let Some((_, out)) = e.step() {
             assert!(e.blocks.len() + e.reserved <= cfg.capacity_blocks);
+            assert_eq!(e.in_use, e.blocks.values().filter(|b| b.refs > 0).count());
             admitted.push(out.admitted);
             firsts.extend(out.first_tokens);
             finished.extend(out.finished.iter().map(|&id| (id, admitted.len())));
