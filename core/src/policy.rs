@@ -86,24 +86,23 @@
 //! prompts are alike; for a short cached request among long ones it over-charges (it
 //! stays behind a longer queue than it should).
 //!
-//! What the saturation charge does not close is the rest of that stickiness, where
-//! engines wait for KV memory rather than for prefill: on the whole agentic trace the
-//! approximate mode's mean and p99 TTFT are about half ours, seed by seed. Moving a
-//! session whose blocks were evicted shortens that turn's wait, but every worker is short
-//! of memory, and the recompute and the second copy it leaves take prefill time and
-//! memory from every other request. The router can carry the stickiness over explicitly:
-//! with `DeciderConfig::remember` (`kvrouter serve --remember-decisions-secs`) the exact
-//! router also records its own decisions, as the approximate mode does, and credits a
-//! worker with the longer of the index's prefix and the remembered one. Where the index
-//! shows a session's blocks evicted, the session still stays where it was, as under the
-//! approximate mode; where nothing was evicted the two agree and nothing changes. With a
-//! 120 s memory the exact router's mean on the whole trace goes below the approximate
-//! mode's on three seeds of three (docs/BENCHMARKS.md); but it keeps sessions on workers
-//! that no longer hold them where the wait is for prefill too, which costs 23–98 % of the
-//! mean on the first 6,000 agentic requests at speed 1, so it is off by default: it is for
-//! fleets whose engines wait for memory. Telling the two apart per worker would need the
-//! engine's memory size (Dynamo's engines publish `kv_total_blocks`), which the router
-//! does not ingest yet.
+//! What the saturation charge does not close is the rest of that stickiness. On the
+//! whole agentic trace the approximate mode's mean TTFT is a fifth to a third of ours
+//! and its p99 0.44–0.73 of ours, seed by seed (docs/BENCHMARKS.md, "The mock engine's
+//! admission, fixed"). We move about 2.4 times as many of a session's turns to a new
+//! worker. Each move recomputes the prompt and leaves a copy behind, which takes prefill
+//! time and memory from every request on the engines involved. The router can carry the
+//! stickiness over explicitly: with `DeciderConfig::remember` (`kvrouter serve
+//! --remember-decisions-secs`) the exact router also records its own decisions, as the
+//! approximate mode does, and credits a worker with the longer of the index's prefix and
+//! the remembered one. Where the index shows a session's blocks evicted, the session
+//! still stays where it was, as under the approximate mode; where nothing was evicted the
+//! two agree and nothing changes. With a 120 s memory the exact router beats the
+//! approximate mode on the whole trace, mean and p99, on three seeds of three. But it
+//! keeps sessions on workers that no longer hold them at other loads too, which costs
+//! 23–98 % of the mean on the first 6,000 agentic requests at speed 1, so it is off by
+//! default. What tells the two loads apart is not known yet: a gate on the fleet's
+//! memory (every worker's active blocks over its cache) never opened on the whole trace.
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
