@@ -908,6 +908,21 @@ mod tests {
         }
     }
 
+    /// 4-token blocks, room for `capacity` of them, 100 tokens a step.
+    fn small(capacity: usize) -> EngineConfig {
+        EngineConfig {
+            block_size: 4,
+            capacity_blocks: capacity,
+            max_batch_tokens: 100,
+            ..Default::default()
+        }
+    }
+
+    /// `in_use` is the number of cached blocks some running request uses.
+    fn assert_in_use_counted(e: &Engine) {
+        assert_eq!(e.in_use, e.blocks.values().filter(|b| b.refs > 0).count());
+    }
+
     fn chain(ids: &[u64]) -> Vec<(LocalBlockHash, SequenceBlockHash)> {
         let locals: Vec<LocalBlockHash> = ids.iter().map(|&i| LocalBlockHash(i)).collect();
         locals
@@ -933,12 +948,7 @@ mod tests {
 
     #[test]
     fn a_prompt_cached_whole_still_has_a_first_token() {
-        let cfg = EngineConfig {
-            block_size: 4,
-            capacity_blocks: 6,
-            max_batch_tokens: 100,
-            ..Default::default()
-        };
+        let cfg = small(6);
         let mut e = Engine::new(1, cfg);
         for id in 0..2 {
             e.submit(EngineRequest::new(id, 8, 2, chain(&[1, 2])));
@@ -957,12 +967,7 @@ mod tests {
         // evictable blocks. C (2 blocks, a long answer) runs; D needs 4 fresh blocks with
         // 1 free. It is admitted at once, A's chain evicted leaf after leaf, rather than
         // waiting for C to end because only one leaf could be seen.
-        let cfg = EngineConfig {
-            block_size: 4,
-            capacity_blocks: 8,
-            max_batch_tokens: 100,
-            ..Default::default()
-        };
+        let cfg = small(8);
         let mut e = Engine::new(1, cfg);
         e.submit(EngineRequest::new(0, 20, 1, chain(&[1, 2, 3, 4, 5])));
         while e.step().is_some() {}
@@ -975,7 +980,7 @@ mod tests {
         assert_eq!(out.admitted, vec![2]);
         let mut finished = out.finished;
         while let Some((_, out)) = e.step() {
-            assert_eq!(e.in_use, e.blocks.values().filter(|b| b.refs > 0).count());
+            assert_in_use_counted(&e);
             finished.extend(out.finished);
         }
         assert_eq!(finished, vec![2, 1]);
@@ -987,12 +992,7 @@ mod tests {
         // Room for 6 blocks; two prompts of 5 fresh blocks each, submitted together. The
         // second waits until the first has finished and released its blocks, so each is
         // cached whole: memory is promised at admission, not only when a prefill ends.
-        let cfg = EngineConfig {
-            block_size: 4,
-            capacity_blocks: 6,
-            max_batch_tokens: 100,
-            ..Default::default()
-        };
+        let cfg = small(6);
         let mut e = Engine::new(1, cfg);
         let mut index = ReferenceIndex::new();
         e.submit(EngineRequest::new(0, 20, 3, chain(&[1, 2, 3, 4, 5])));
@@ -1000,7 +1000,7 @@ mod tests {
         let (mut admitted, mut firsts, mut finished) = (Vec::new(), Vec::new(), Vec::new());
         while let Some((_, out)) = e.step() {
             assert!(e.blocks.len() + e.reserved <= cfg.capacity_blocks);
-            assert_eq!(e.in_use, e.blocks.values().filter(|b| b.refs > 0).count());
+            assert_in_use_counted(&e);
             admitted.push(out.admitted);
             firsts.extend(out.first_tokens);
             finished.extend(out.finished.iter().map(|&id| (id, admitted.len())));
@@ -1026,12 +1026,7 @@ mod tests {
 
     #[test]
     fn reuses_prefixes_evicts_leaves_and_publishes_exact_events() {
-        let cfg = EngineConfig {
-            block_size: 4,
-            capacity_blocks: 6,
-            max_batch_tokens: 100,
-            ..Default::default()
-        };
+        let cfg = small(6);
         let mut e = Engine::new(1, cfg);
         let mut index = ReferenceIndex::new();
         run(
