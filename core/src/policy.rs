@@ -90,8 +90,8 @@
 //! stays behind a longer queue than it should).
 //!
 //! What the saturation charge does not close is the rest of that stickiness. On the
-//! whole agentic trace the approximate mode's mean TTFT is a fifth to a third of ours
-//! and its p99 0.44–0.73 of ours, seed by seed (docs/BENCHMARKS.md, "The mock engine's
+//! whole agentic trace the approximate mode's mean TTFT is 0.22–0.36 of ours and its
+//! p99 0.44–0.73 of ours, seed by seed (docs/BENCHMARKS.md, "The mock engine's
 //! admission, fixed"). We move about 2.4 times as many of a session's turns to a new
 //! worker. Each move recomputes the prompt and leaves a copy behind, which takes prefill
 //! time and memory from every request on the engines involved. The router can carry the
