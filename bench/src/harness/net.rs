@@ -744,7 +744,7 @@ pub fn run_networked(
     let hits = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
     Ok(PolicyReport::from_outcomes(
         policy.name(),
-        &outcomes,
+        outcomes,
         n,
         span_s,
         hits,
@@ -882,7 +882,7 @@ fn run_openai(
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
     Ok(PolicyReport::from_outcomes(
         policy.name(),
-        &outcomes,
+        outcomes,
         n,
         span_s,
         (hit, prompt),

@@ -250,9 +250,10 @@ impl PolicyReport {
 
     /// Builds a report from per-request outcomes. `span_s` is the time from the first
     /// arrival to the last completion; `hit`/`prompt` the engines' prompt-block counts.
+    /// The report keeps the outcomes.
     pub fn from_outcomes(
         policy: &str,
-        outcomes: &[RequestOutcome],
+        outcomes: Vec<RequestOutcome>,
         workers: usize,
         span_s: f64,
         (hit, prompt): (u64, u64),
@@ -261,7 +262,7 @@ impl PolicyReport {
         let mut per_worker = vec![0u64; workers];
         let (mut ttft, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
         let mut completed = 0u64;
-        for o in outcomes {
+        for o in &outcomes {
             if let Some(n) = per_worker.get_mut(o.worker) {
                 *n += 1;
             }
@@ -287,7 +288,7 @@ impl PolicyReport {
             ideals,
             per_worker,
         );
-        report.outcomes = outcomes.to_vec();
+        report.outcomes = outcomes;
         report
     }
 

@@ -474,7 +474,7 @@ fn run(
     let span_s = (last_finish - first_arrival) / 1000.0;
     let mut report = PolicyReport::from_outcomes(
         policy.name(),
-        &outcomes,
+        outcomes,
         cfg.workers,
         span_s,
         (hit, prompt),
