@@ -169,7 +169,6 @@ enum Ev {
 
 struct Record {
     worker: usize,
-    input_tokens: u32,
     cached_blocks: Option<u64>,
     arrival: f64,
     admitted: Option<f64>,
@@ -385,7 +384,6 @@ fn run(
                 ));
                 records[i] = Some(Record {
                     worker: w,
-                    input_tokens: r.input_length,
                     cached_blocks: None,
                     arrival: now,
                     admitted: None,
@@ -461,7 +459,7 @@ fn run(
         .filter_map(|(i, rec)| rec.as_ref().map(|rec| (i, rec)))
         .map(|(request, rec)| RequestOutcome {
             request,
-            input_tokens: rec.input_tokens,
+            input_tokens: trace[request].input_length,
             cached_blocks: rec.cached_blocks,
             worker: rec.worker,
             arrival: rec.arrival,
