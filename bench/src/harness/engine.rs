@@ -8,9 +8,13 @@
 //!   already promised to other prefills; the new blocks are published as one stored event
 //!   when the prefill completes. Output tokens are not cached (the next turn's prompt
 //!   carries them) and take no blocks.
-//! * **Continuous batching with chunked prefill**: each step runs one decode token for every
-//!   running request past its prefill, plus prefill chunks of the others in arrival order,
-//!   up to `max_batch_tokens` tokens in all.
+//! * **Continuous batching with chunked prefill**, as vLLM v1 schedules: each step runs one
+//!   decode token for every running request past its prefill, plus prefill chunks of the
+//!   others in arrival order, up to `max_batch_tokens` tokens in all. A waiting request is
+//!   admitted only with budget left over, and looks its prefix up then: it finds every
+//!   block of the prefills scheduled ahead of it, since vLLM caches a chunk's blocks when it
+//!   schedules the chunk. So a request that shares a prefix with one still prefilling
+//!   reuses it rather than computing it a second time beside it.
 //! * **Host tier** (optional, `host_capacity_blocks` > 0): a block evicted from the device
 //!   is offloaded to host memory first (published as stored on the host-pinned tier, before
 //!   the device removal, so its parent is still known), host memory evicting its own least
@@ -288,7 +292,6 @@ pub struct EngineRequest {
     reserved: usize,
     prefilled: u32,
     generated: u32,
-    admitted: bool,
 }
 
 impl EngineRequest {
@@ -309,7 +312,6 @@ impl EngineRequest {
             reserved: 0,
             prefilled: 0,
             generated: 0,
-            admitted: false,
         }
     }
 }
@@ -317,7 +319,7 @@ impl EngineRequest {
 /// What a step produced.
 #[derive(Debug, Default)]
 pub struct StepOutcome {
-    /// Requests admitted (given their memory) as this step began.
+    /// Requests admitted (given their memory and their first chunk) in this step.
     pub admitted: Vec<usize>,
     /// Requests that produced their first token.
     pub first_tokens: Vec<usize>,
@@ -377,8 +379,6 @@ pub struct Engine {
     /// cached prefix, so these are closed under parents, and every other cached block can
     /// be evicted, leaf after leaf.
     in_use: usize,
-    /// Requests admitted since the last step began (reported by the next one).
-    admitted: Vec<usize>,
     /// Prompt blocks served from the device cache (for hit ratios).
     pub hit_blocks: u64,
     /// Prompt blocks onloaded from host memory.
@@ -407,7 +407,6 @@ impl Engine {
             blocked_at: None,
             reserved: 0,
             in_use: 0,
-            admitted: Vec::new(),
             hit_blocks: 0,
             host_hit_blocks: 0,
             prompt_blocks: 0,
@@ -557,15 +556,14 @@ impl Engine {
         }
     }
 
-    /// Moves waiting requests into the batch while their blocks fit.
-    fn admit(&mut self) {
-        if self.blocked_at == Some(self.generation) {
-            return;
+    /// Moves the head of the queue into the batch if its blocks fit (and the batch has
+    /// room); returns its index in `running`.
+    fn admit_one(&mut self) -> Option<usize> {
+        if self.blocked_at == Some(self.generation) || self.running.len() >= self.cfg.max_running {
+            return None;
         }
-        while self.running.len() < self.cfg.max_running {
-            let Some(mut r) = self.waiting.pop_front() else {
-                return;
-            };
+        {
+            let mut r = self.waiting.pop_front()?;
             // Longest cached prefix.
             let hit = r
                 .blocks
@@ -593,7 +591,7 @@ impl Engine {
                 // Not enough room until running requests finish.
                 self.waiting.push_front(r);
                 self.blocked_at = Some(self.generation);
-                return;
+                return None;
             }
             for (_, s) in &r.blocks[..hit] {
                 self.hold(s.0);
@@ -645,10 +643,9 @@ impl Engine {
             // whole prompt is cached: it yields the first token.
             r.prefilled =
                 (cached as u32 * self.cfg.block_size).min(r.input_tokens.saturating_sub(1));
-            r.admitted = true;
-            self.admitted.push(r.id);
             self.running.push(r);
             self.generation += 1;
+            Some(self.running.len() - 1)
         }
     }
 
@@ -780,19 +777,21 @@ impl Engine {
     }
 
     /// Runs one step; returns its duration (ms) and what it produced, or `None` when idle.
+    ///
+    /// As vLLM v1 schedules: the step's token budget goes first to the running requests
+    /// (one decode token each, then prefill chunks in arrival order), and a waiting request
+    /// starts only with budget left over. It looks its prefix up then, after the prefills
+    /// scheduled before it in this step have been cached: vLLM caches a chunk's blocks when
+    /// it schedules the chunk, so a request sees every block of the prefills that run
+    /// ahead of it, even one completing in the same step.
     pub fn step(&mut self) -> Option<(f64, StepOutcome)> {
-        self.admit();
-        if self.running.is_empty() {
+        if !self.busy() {
             return None;
         }
         let mut budget = self.cfg.max_batch_tokens;
         let mut prefill_tokens = 0u32;
         let mut kv_tokens = 0u64;
-        let mut out = StepOutcome {
-            admitted: std::mem::take(&mut self.admitted),
-            ..StepOutcome::default()
-        };
-        // Decode first (one token each), then prefill chunks in arrival order.
+        let mut out = StepOutcome::default();
         let mut decoding = Vec::new();
         let mut prefilling = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
@@ -804,40 +803,33 @@ impl Engine {
             }
         }
         budget = budget.saturating_sub(decoding.len() as u32);
-        let mut completed_prefill = Vec::new();
         for i in prefilling {
             if budget == 0 {
                 break;
             }
-            let r = &mut self.running[i];
-            let chunk = (r.input_tokens - r.prefilled).min(budget);
-            r.prefilled += chunk;
-            budget -= chunk;
-            prefill_tokens += chunk;
-            if r.prefilled >= r.input_tokens {
-                completed_prefill.push(i);
-            }
+            self.prefill_chunk(i, &mut budget, &mut prefill_tokens, &mut out);
+        }
+        while budget > 0 {
+            let Some(i) = self.admit_one() else {
+                break;
+            };
+            out.admitted.push(self.running[i].id);
+            kv_tokens += self.running[i].prefilled as u64;
+            self.prefill_chunk(i, &mut budget, &mut prefill_tokens, &mut out);
         }
         let ms = self.cfg.step_ms(prefill_tokens, kv_tokens)
             + std::mem::take(&mut self.onload_ms) / self.cfg.speedup;
-        for &i in &completed_prefill {
-            self.store(i);
-            let r = &mut self.running[i];
-            r.generated = 1;
-            out.first_tokens.push(r.id);
-            out.first_cached.push(r.hit_blocks);
-        }
         for &i in &decoding {
             let r = &mut self.running[i];
             r.generated += 1;
             out.tokens.push(r.id);
         }
-        // Finished requests release their blocks.
+        // Finished requests release their blocks; the rest keep their arrival order.
         let mut k = 0;
         while k < self.running.len() {
             let r = &self.running[k];
             if r.prefilled >= r.input_tokens && r.generated >= r.output_tokens.max(1) {
-                let r = self.running.swap_remove(k);
+                let r = self.running.remove(k);
                 self.generation += 1;
                 for (_, s) in &r.blocks[..r.cached_blocks] {
                     self.set_refs(s.0, -1);
@@ -848,6 +840,30 @@ impl Engine {
             }
         }
         Some((ms, out))
+    }
+
+    /// Gives running request `i` its next prefill chunk from `budget`; when that completes
+    /// its prefill, caches its blocks at once (later admissions in this step see them) and
+    /// reports its first token.
+    fn prefill_chunk(
+        &mut self,
+        i: usize,
+        budget: &mut u32,
+        prefill_tokens: &mut u32,
+        out: &mut StepOutcome,
+    ) {
+        let r = &mut self.running[i];
+        let chunk = (r.input_tokens - r.prefilled).min(*budget);
+        r.prefilled += chunk;
+        *budget -= chunk;
+        *prefill_tokens += chunk;
+        if r.prefilled >= r.input_tokens {
+            self.store(i);
+            let r = &mut self.running[i];
+            r.generated = 1;
+            out.first_tokens.push(r.id);
+            out.first_cached.push(r.hit_blocks);
+        }
     }
 
     /// Blocks cached now.
@@ -959,6 +975,33 @@ mod tests {
             assert_eq!(firsts, vec![id]);
         }
         assert_eq!(e.hit_blocks, 2);
+    }
+
+    #[test]
+    fn a_request_waits_for_the_budget_and_then_sees_the_prefill_ahead_of_it() {
+        // A: 250 tokens (62 full blocks), 100 tokens a step. B shares A's 62 blocks and
+        // adds 3. Submitted together, B does not start while A's chunks take the whole
+        // budget; it starts in A's last step, with the 50 tokens A leaves, and finds all of
+        // A's blocks cached, as vLLM schedules. Looked up when submitted, it would find none.
+        let mut e = Engine::new(1, small(200));
+        let a: Vec<u64> = (1..=62).collect();
+        let b: Vec<u64> = (1..=65).collect();
+        e.submit(EngineRequest::new(0, 250, 2, chain(&a)));
+        e.submit(EngineRequest::new(1, 260, 2, chain(&b)));
+        let mut steps = Vec::new();
+        while let Some((_, out)) = e.step() {
+            assert_in_use_counted(&e);
+            steps.push((out.admitted, out.first_tokens, out.first_cached));
+        }
+        assert_eq!(
+            steps[..3],
+            [
+                (vec![0], vec![], vec![]),
+                (vec![], vec![], vec![]),
+                (vec![1], vec![0, 1], vec![0, 62]),
+            ]
+        );
+        assert_eq!((e.hit_blocks, e.prompt_blocks), (62, 127));
     }
 
     #[test]
