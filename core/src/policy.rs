@@ -31,11 +31,12 @@
 //! measured (`docs/BENCHMARKS.md`, "Routing policies"), credit what active requests hold
 //! and raise the fresh-block charge when the fleet is saturated (both below):
 //!
-//! - `prefill_load_scale` 16: a request's first token waits for the prefill queued ahead
+//! - `prefill_load_scale` 32: a request's first token waits for the prefill queued ahead
 //!   of it and its own prefill; the decode blocks a worker holds slow a step by far less
 //!   (a decode token is one token of the step's budget). At weight 1 the decode term,
 //!   which grows with every long conversation a worker holds, outweighs the cache and
-//!   pushes follow-up turns away from it.
+//!   pushes follow-up turns away from it. (16 until the harness engine scheduled as vLLM
+//!   does; 32 won more of the harness's cells on three seeds, docs/BENCHMARKS.md.)
 //! - `new_block_weight` 4: the plain formula is greedy for the request at hand: it moves
 //!   a request off its cache as soon as another worker's queue is shorter by more than
 //!   the cached blocks. But every block recomputed is fleet capacity spent twice, and it
@@ -70,42 +71,36 @@
 //! longest prefix of the request that its own active requests hold (the slot manager's
 //! per-worker prefix tree), when that is longer than what its events have shown. Blocks
 //! of a request still prefilling will be cached by the time this one's prefill reaches
-//! them (engines prefill in arrival order). With the harness engine fixed (its admission,
-//! docs/BENCHMARKS.md), the credit costs the first 6,000 agentic requests at speed 1
-//! about half their p99 (88.3 s against 43.9 s without it, seed 42); whether it stays on
-//! is open. The second thing the approximate mode does, never seeing
-//! evictions, is keep a session where it was under heavy eviction; the exact policy
-//! moves it when the index shows its blocks gone, and the copy it leaves behind is
-//! capacity wasted twice. A larger `new_block_weight` buys that back on the overloaded
-//! whole trace and loses everywhere else (docs/BENCHMARKS.md): how much a recompute costs
-//! depends on the load. While some worker is idle, a block recomputed there costs that
-//! request its prefill time and nobody else anything; when every worker has prefill
-//! queued, it is capacity taken from every request waiting. `saturation_weight` (1 in
-//! ours, 0 in Dynamo's) says so: the fresh-block charge is multiplied by
-//! `1 + saturation_weight × q / own`, where `q` is the least prefill queued on any
-//! candidate and `own` the request's blocks (at least 1). Light loads route as before;
-//! saturated ones keep sessions on their caches unless the queue gap is larger than the
-//! recompute. `q / own` stands for the requests a recompute would delay, which holds when
-//! prompts are alike; for a short cached request among long ones it over-charges (it
-//! stays behind a longer queue than it should).
+//! them: engines prefill in arrival order, and vLLM v1 starts a waiting request only
+//! when the running ones leave budget over, caching a chunk's blocks when it schedules
+//! it. On the whole agentic trace the credit cuts our mean 6–8× (docs/BENCHMARKS.md, "The
+//! mock engine schedules as vLLM v1 does"; an earlier harness engine looked a request's
+//! prefix up as soon as its memory fitted, so such a request recomputed what it joined,
+//! and the credit looked harmful). The approximate mode also never sees evictions and
+//! keeps a session where it was; the exact policy moves a session once the index shows
+//! its blocks gone, and the copy it leaves behind is capacity wasted twice. How much a
+//! recompute costs depends on the load. While some worker is idle, a block recomputed
+//! there costs that request its prefill time and nobody else anything; when every worker
+//! has prefill queued, it is capacity taken from every request waiting.
+//! `saturation_weight` (1 in ours, 0 in Dynamo's) says so: the fresh-block charge is
+//! multiplied by `1 + saturation_weight × q / own`, where `q` is the least prefill
+//! queued on any candidate and `own` the request's blocks (at least 1). Light loads route
+//! as before; saturated ones keep sessions on their caches unless the queue gap is larger
+//! than the recompute. `q / own` stands for the requests a recompute would delay, which
+//! holds when prompts are alike; for a short cached request among long ones it
+//! over-charges (it stays behind a longer queue than it should).
 //!
-//! What the saturation charge does not close is the rest of that stickiness. On the
-//! whole agentic trace the approximate mode's mean TTFT is 0.22–0.36 of ours and its
-//! p99 0.44–0.73 of ours, seed by seed (docs/BENCHMARKS.md, "The mock engine's
-//! admission, fixed"). We move about 2.4 times as many of a session's turns to a new
-//! worker. Each move recomputes the prompt and leaves a copy behind, which takes prefill
-//! time and memory from every request on the engines involved. The router can carry the
-//! stickiness over explicitly: with `DeciderConfig::remember` (`kvrouter serve
-//! --remember-decisions-secs`) the exact router also records its own decisions, as the
-//! approximate mode does, and credits a worker with the longer of the index's prefix and
-//! the remembered one. Where the index shows a session's blocks evicted, the session
-//! still stays where it was, as under the approximate mode; where nothing was evicted the
-//! two agree and nothing changes. With a 120 s memory the exact router beats the
-//! approximate mode on the whole trace, mean and p99, on three seeds of three. But it
-//! keeps sessions on workers that no longer hold them at other loads too, which costs
-//! 23–98 % of the mean on the first 6,000 agentic requests at speed 1, so it is off by
-//! default. What tells the two loads apart is not known yet: a gate on the fleet's
-//! memory (every worker's active blocks over its cache) never opened on the whole trace.
+//! With both, and `prefill_load_scale` 32, the exact policy is never worse than the
+//! approximate mode on the harness's eleven cells on three seeds (docs/BENCHMARKS.md,
+//! "The mock engine schedules as vLLM v1 does"). The router can also
+//! keep the approximate mode's stickiness outright: with `DeciderConfig::remember`
+//! (`kvrouter serve --remember-decisions-secs`) it records its own decisions too and
+//! credits a worker with the longer of the index's prefix and the remembered one, so a
+//! session whose blocks the index shows evicted still stays where it was. It is off by
+//! default: with the harness engine scheduling as vLLM does it changes little and costs
+//! the agentic p99 (seed 42, 120 s: the whole agentic trace 2.16 s / 31.4 s → 2.06 s /
+//! 31.9 s; its first 6,000 requests at speed 1 34.9 s → 38.0 s p99, above the approximate
+//! mode's 37.2 s).
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
@@ -115,8 +110,9 @@
 //! there, plus the decode-memory term priced per block. Each worker's prefill time is a
 //! model fitted online from the first tokens every front reports ([`crate::prefill`]),
 //! so unlike GPUs are priced apart. Measured in the harness it loses to the block formula
-//! on p99 on every trace and on the mean at all but one load, so it is not the default: first-token times there are
-//! dominated by waits for KV memory (an engine holds about 33 agentic prompts), which a
+//! on the mean in every cell, and on p99 in all but one (the first 6,000 agentic requests
+//! at speed 0.3, on two seeds of three), so it is not the default: first-token times there
+//! are often dominated by waits for KV memory (an engine holds about 33 agentic prompts), which a
 //! prefill-queue model reads as a slow worker, herding the rest of the fleet onto a few
 //! workers. The figures and the diagnosis are in docs/BENCHMARKS.md.
 //!
@@ -210,13 +206,13 @@ pub struct CostConfig {
 }
 
 impl Default for CostConfig {
-    /// Ours: Dynamo's formula with prefill weighted 16×, each block a request would
+    /// Ours: Dynamo's formula with prefill weighted 32×, each block a request would
     /// prefill from scratch charged 4 more times (more when every worker has prefill
     /// queued), and the prefix a worker's active requests hold credited as cached (see
     /// the module docs).
     fn default() -> Self {
         Self {
-            prefill_load_scale: 16.0,
+            prefill_load_scale: 32.0,
             new_block_weight: 4.0,
             credit_inflight: true,
             saturation_weight: 1.0,
@@ -615,7 +611,7 @@ mod tests {
 
     #[test]
     fn our_defaults_charge_fresh_blocks_and_weigh_prefill() {
-        // Ours: 16 * (adjusted + 4 * fresh) + decode. W1 fresh 8, W2 5, W3 2.
+        // Ours: 32 * (adjusted + 4 * fresh) + decode. W1 fresh 8, W2 5, W3 2.
         let cands = [cand(1, 2, 10), cand(2, 5, 5), cand(3, 8, 9)];
         let scored = score(&CostConfig::default(), 160, 16, &cands);
         let fresh: Vec<f64> = scored.iter().map(|s| s.fresh_prefill_blocks).collect();
@@ -624,9 +620,9 @@ mod tests {
         assert_eq!(
             costs,
             vec![
-                16.0 * (8.0 + 32.0) + 10.0,
-                16.0 * (5.0 + 20.0) + 5.0,
-                16.0 * (2.0 + 8.0) + 9.0
+                32.0 * (8.0 + 32.0) + 10.0,
+                32.0 * (5.0 + 20.0) + 5.0,
+                32.0 * (2.0 + 8.0) + 9.0
             ]
         );
         // Dynamo sends it to W2 (less decode load); ours keeps it with the longest cache.
@@ -721,17 +717,17 @@ mod tests {
             saturation_weight: 0.0,
             ..CostConfig::default()
         };
-        // Plain: W1 16 × (42 + 4 × 2), W2 16 × (30 + 4 × 10). Saturated (the least queue
+        // Plain: W1 32 × (42 + 4 × 2), W2 32 × (30 + 4 × 10). Saturated (the least queue
         // is 20 blocks, twice the request): each fresh block is charged 4 × (1 + 2) = 12.
         let s = score(&plain, 160, 16, &[hot, cold]);
-        assert_eq!(s[1].cost, 16.0 * (30.0 + 4.0 * 10.0));
+        assert_eq!(s[1].cost, 32.0 * (30.0 + 4.0 * 10.0));
         let s = score(&CostConfig::default(), 160, 16, &[hot, cold]);
-        assert_eq!(s[0].cost, 16.0 * (42.0 + 12.0 * 2.0));
-        assert_eq!(s[1].cost, 16.0 * (30.0 + 12.0 * 10.0));
+        assert_eq!(s[0].cost, 32.0 * (42.0 + 12.0 * 2.0));
+        assert_eq!(s[1].cost, 32.0 * (30.0 + 12.0 * 10.0));
         // An idle worker among the candidates: no saturation, the plain charge.
         let idle = cand(3, 0, 0);
         let s = score(&CostConfig::default(), 160, 16, &[hot, cold, idle]);
-        assert_eq!(s[1].cost, 16.0 * (30.0 + 4.0 * 10.0));
+        assert_eq!(s[1].cost, 32.0 * (30.0 + 4.0 * 10.0));
         // The queue gap that moves a request off its cache grows with saturation: W2 with
         // 12 blocks queued against W1's 40 takes it plainly, not when every worker is busy.
         let cold = Candidate {

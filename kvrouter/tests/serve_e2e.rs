@@ -262,7 +262,7 @@ fn three_replicas_route_track_loads_and_converge() {
     let fresh =
         "{\"token_ids\": [9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9]}";
     // (2 blocks a request: the 6th in flight on one worker queues as much as a recompute
-    // of 2 blocks costs at `new_block_weight` 4 and `prefill_load_scale` 16.)
+    // of 2 blocks costs at `new_block_weight` 4 and `prefill_load_scale` 32.)
     let mut to_a = 0;
     for _ in 0..12 {
         let (_, v) = json(http(&replicas[0].addr, "POST", "/v1/route", fresh, &[]));
