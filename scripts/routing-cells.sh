@@ -2,7 +2,7 @@
 # The eleven routing cells of docs/HARNESS.md ("The routing goals"), every policy, in
 # virtual time: the agentic dev trace (first 6,000 requests at speeds 0.3 and 1, and the
 # whole trace; 16 workers), the Mooncake conversation trace (8 workers at 0.5, 1, 1.5; 16
-# at 1, 2) and the synthetic trace (8 workers at 0.5, 1, 1.5). About 2 minutes on 2 cores.
+# at 1, 2) and the synthetic trace (8 workers at 0.5, 1, 1.5). About 5 minutes on 2 cores.
 #
 #   scripts/routing-cells.sh OUT [kvrouter bench flags...]   # e.g. --seed 1
 #   python3 scripts/routing-cells.py OUT                     # the table and the goals

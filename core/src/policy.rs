@@ -73,10 +73,10 @@
 //! of a request still prefilling will be cached by the time this one's prefill reaches
 //! them: engines prefill in arrival order, and vLLM v1 starts a waiting request only
 //! when the running ones leave budget over, caching a chunk's blocks when it schedules
-//! it. On the whole agentic trace the credit cuts our mean 6–8× (docs/BENCHMARKS.md, "The
-//! mock engine schedules as vLLM v1 does"; an earlier harness engine looked a request's
-//! prefix up as soon as its memory fitted, so such a request recomputed what it joined,
-//! and the credit looked harmful). The approximate mode also never sees evictions and
+//! it. On the whole agentic trace the credit cuts our mean 5.7–8.1× on three seeds
+//! (docs/BENCHMARKS.md, "The mock engine schedules as vLLM v1 does"; an earlier harness
+//! engine looked a request's prefix up as soon as its memory fitted, so such a request
+//! recomputed what it joined, and the credit looked harmful). The approximate mode also never sees evictions and
 //! keeps a session where it was; the exact policy moves a session once the index shows
 //! its blocks gone, and the copy it leaves behind is capacity wasted twice. How much a
 //! recompute costs depends on the load. While some worker is idle, a block recomputed
