@@ -76,9 +76,10 @@
 //! it. On the whole agentic trace the credit cuts our mean 5.7–8.1× on three seeds
 //! (docs/BENCHMARKS.md, "The mock engine schedules as vLLM v1 does"; an earlier harness
 //! engine looked a request's prefix up as soon as its memory fitted, so such a request
-//! recomputed what it joined, and the credit looked harmful). The approximate mode also never sees evictions and
-//! keeps a session where it was; the exact policy moves a session once the index shows
-//! its blocks gone, and the copy it leaves behind is capacity wasted twice. How much a
+//! recomputed what it joined, and the credit looked harmful). The approximate mode also
+//! never sees evictions and keeps a session where it was; the exact policy moves a
+//! session once the index shows its blocks gone, and the copy it leaves behind is
+//! capacity wasted twice. How much a
 //! recompute costs depends on the load. While some worker is idle, a block recomputed
 //! there costs that request its prefill time and nobody else anything; when every worker
 //! has prefill queued, it is capacity taken from every request waiting.
@@ -92,8 +93,8 @@
 //!
 //! With both, and `prefill_load_scale` 32, the exact policy is never worse than the
 //! approximate mode on the harness's eleven cells on three seeds (docs/BENCHMARKS.md,
-//! "The mock engine schedules as vLLM v1 does"). The router can also
-//! keep the approximate mode's stickiness outright: with `DeciderConfig::remember`
+//! "The mock engine schedules as vLLM v1 does"). The router can also keep the
+//! approximate mode's stickiness outright: with `DeciderConfig::remember`
 //! (`kvrouter serve --remember-decisions-secs`) it records its own decisions too and
 //! credits a worker with the longer of the index's prefix and the remembered one, so a
 //! session whose blocks the index shows evicted still stays where it was. It is off by
@@ -112,8 +113,8 @@
 //! so unlike GPUs are priced apart. Measured in the harness it loses to the block formula
 //! on the mean in every cell, and on p99 in all but one (the first 6,000 agentic requests
 //! at speed 0.3, on two seeds of three), so it is not the default: first-token times there
-//! are often dominated by waits for KV memory (an engine holds about 33 agentic prompts), which a
-//! prefill-queue model reads as a slow worker, herding the rest of the fleet onto a few
+//! are often dominated by waits for KV memory (an engine holds about 33 agentic prompts),
+//! which a prefill-queue model reads as a slow worker, herding the rest of the fleet onto a few
 //! workers. The figures and the diagnosis are in docs/BENCHMARKS.md.
 //!
 //! Pure: the caller passes the loads, the overlaps and a seeded [`Rng`].

@@ -562,91 +562,88 @@ impl Engine {
         if self.blocked_at == Some(self.generation) || self.running.len() >= self.cfg.max_running {
             return None;
         }
-        {
-            let mut r = self.waiting.pop_front()?;
-            // Longest cached prefix.
-            let hit = r
-                .blocks
-                .iter()
-                .take_while(|(_, s)| self.blocks.contains_key(&s.0))
-                .count();
-            // Its continuation in host memory, onloaded rather than prefilled.
-            let onload = r.blocks[hit..]
-                .iter()
-                .take_while(|(_, s)| self.host.blocks.contains_key(&s.0))
-                .count();
-            // And its continuation in the shared pool.
-            let pooled = self
-                .pool
-                .as_ref()
-                .map_or(0, |p| p.borrow().continuation(&r.blocks, hit + onload));
-            let need = r.blocks.len() - hit;
-            let free = self
-                .cfg
-                .capacity_blocks
-                .saturating_sub(self.blocks.len() + self.reserved);
-            // Every cached block no running request uses can go, leaf after leaf.
-            let evictable = self.blocks.len() - self.in_use;
-            if need > free + evictable && !self.running.is_empty() {
-                // Not enough room until running requests finish.
-                self.waiting.push_front(r);
-                self.blocked_at = Some(self.generation);
-                return None;
-            }
-            for (_, s) in &r.blocks[..hit] {
-                self.hold(s.0);
-            }
-            // The copies to onload are read first: refreshed in host memory before the
-            // evictions below offload anything there.
-            for (_, s) in &r.blocks[hit..hit + onload] {
-                self.clock += 1;
-                self.host.touch(s.0, self.clock);
-            }
-            if let Some(p) = &self.pool {
-                p.borrow_mut()
-                    .touch(&r.blocks[hit + onload..hit + onload + pooled]);
-            }
-            let mut removed = Vec::new();
-            let mut off = Offloads::default();
-            while self.blocks.len() + self.reserved + need > self.cfg.capacity_blocks {
-                match self.evict_one(&mut off) {
-                    Some(seq) => removed.push(SequenceBlockHash(seq)),
-                    None => break,
-                }
-            }
-            self.publish_evictions(off, removed);
-            let onloaded = self.onload(&r.blocks, hit, onload, self.cfg.onload_ms_per_block);
-            // The pool's blocks continue the prefix only if all of host memory's came.
-            let from_pool = if onloaded == onload && pooled > 0 {
-                let n = self.onload(
-                    &r.blocks,
-                    hit + onload,
-                    pooled,
-                    self.cfg.pool_onload_ms_per_block,
-                );
-                if let Some(p) = &self.pool {
-                    p.borrow_mut().hit_blocks += n as u64;
-                }
-                n
-            } else {
-                0
-            };
-            let cached = hit + onloaded + from_pool;
-            self.hit_blocks += hit as u64;
-            self.host_hit_blocks += onloaded as u64;
-            self.prompt_blocks += r.blocks.len() as u64;
-            r.cached_blocks = cached;
-            r.hit_blocks = cached;
-            r.reserved = need - onloaded - from_pool;
-            self.reserved += r.reserved;
-            // As real engines do, the last prompt token is always computed, even when the
-            // whole prompt is cached: it yields the first token.
-            r.prefilled =
-                (cached as u32 * self.cfg.block_size).min(r.input_tokens.saturating_sub(1));
-            self.running.push(r);
-            self.generation += 1;
-            Some(self.running.len() - 1)
+        let mut r = self.waiting.pop_front()?;
+        // Longest cached prefix.
+        let hit = r
+            .blocks
+            .iter()
+            .take_while(|(_, s)| self.blocks.contains_key(&s.0))
+            .count();
+        // Its continuation in host memory, onloaded rather than prefilled.
+        let onload = r.blocks[hit..]
+            .iter()
+            .take_while(|(_, s)| self.host.blocks.contains_key(&s.0))
+            .count();
+        // And its continuation in the shared pool.
+        let pooled = self
+            .pool
+            .as_ref()
+            .map_or(0, |p| p.borrow().continuation(&r.blocks, hit + onload));
+        let need = r.blocks.len() - hit;
+        let free = self
+            .cfg
+            .capacity_blocks
+            .saturating_sub(self.blocks.len() + self.reserved);
+        // Every cached block no running request uses can go, leaf after leaf.
+        let evictable = self.blocks.len() - self.in_use;
+        if need > free + evictable && !self.running.is_empty() {
+            // Not enough room until running requests finish.
+            self.waiting.push_front(r);
+            self.blocked_at = Some(self.generation);
+            return None;
         }
+        for (_, s) in &r.blocks[..hit] {
+            self.hold(s.0);
+        }
+        // The copies to onload are read first: refreshed in host memory before the
+        // evictions below offload anything there.
+        for (_, s) in &r.blocks[hit..hit + onload] {
+            self.clock += 1;
+            self.host.touch(s.0, self.clock);
+        }
+        if let Some(p) = &self.pool {
+            p.borrow_mut()
+                .touch(&r.blocks[hit + onload..hit + onload + pooled]);
+        }
+        let mut removed = Vec::new();
+        let mut off = Offloads::default();
+        while self.blocks.len() + self.reserved + need > self.cfg.capacity_blocks {
+            match self.evict_one(&mut off) {
+                Some(seq) => removed.push(SequenceBlockHash(seq)),
+                None => break,
+            }
+        }
+        self.publish_evictions(off, removed);
+        let onloaded = self.onload(&r.blocks, hit, onload, self.cfg.onload_ms_per_block);
+        // The pool's blocks continue the prefix only if all of host memory's came.
+        let from_pool = if onloaded == onload && pooled > 0 {
+            let n = self.onload(
+                &r.blocks,
+                hit + onload,
+                pooled,
+                self.cfg.pool_onload_ms_per_block,
+            );
+            if let Some(p) = &self.pool {
+                p.borrow_mut().hit_blocks += n as u64;
+            }
+            n
+        } else {
+            0
+        };
+        let cached = hit + onloaded + from_pool;
+        self.hit_blocks += hit as u64;
+        self.host_hit_blocks += onloaded as u64;
+        self.prompt_blocks += r.blocks.len() as u64;
+        r.cached_blocks = cached;
+        r.hit_blocks = cached;
+        r.reserved = need - onloaded - from_pool;
+        self.reserved += r.reserved;
+        // As real engines do, the last prompt token is always computed, even when the
+        // whole prompt is cached: it yields the first token.
+        r.prefilled = (cached as u32 * self.cfg.block_size).min(r.input_tokens.saturating_sub(1));
+        self.running.push(r);
+        self.generation += 1;
+        Some(self.running.len() - 1)
     }
 
     /// Copies `blocks[hit..hit + n]` from host memory or the shared pool to the device (room
