@@ -6,7 +6,8 @@
 //!   byte-identical with NVIDIA Dynamo 1.6.1.
 //! * [`event`]: the KV events workers publish (stored, removed, cleared).
 //! * [`codec`]: Dynamo 1.6.1's event-plane wire formats (MessagePack envelope, kv-events,
-//!   replica sync, metrics) and its JSON form of KV events.
+//!   replica sync, metrics) and its JSON form of KV events; kvrouter's own session-binding
+//!   messages.
 //! * [`nats`]: the NATS client protocol, sans I/O (an incremental parser of what the server
 //!   sends, encoders of what a client sends); `kvrouter-io`'s client drives it over sockets.
 //! * [`zmtp`]: the ZeroMQ wire protocol (ZMTP 3.x, NULL mechanism), sans I/O, for the ZMQ
@@ -18,6 +19,7 @@
 //! * [`slots`]: the slot manager, the router's prediction of each worker's load.
 //! * [`decision`]: the routing decision (lookup, loads, cost, choice, slot add) that every
 //!   front calls: the routing API, the harness, the proxy.
+//! * [`sessions`]: session affinity's bindings, and how replicas agree on one per session.
 //! * [`recovery`]: event-id bookkeeping (gaps, duplicates, restarts), the recovery protocol
 //!   between the router and workers' local indexers, and worker announcements.
 //! * [`snapshot`]: the snapshot file format (index state, last event ids, JetStream
@@ -43,6 +45,7 @@ pub mod prefetch;
 pub mod prefill;
 pub mod recovery;
 pub mod replay;
+pub mod sessions;
 pub mod slots;
 pub mod snapshot;
 mod sync;

@@ -1,10 +1,10 @@
 //! Every decoder of untrusted bytes: the event-plane envelope (and its ZMQ-plane frame),
 //! kv-events (msgpack and JSON), the engines' native event batches (and their conversion
-//! to events), replica sync, metrics, and replay-log lines. None may panic; whatever decodes
-//! must encode again and decode to the same value.
+//! to events), replica sync, session bindings, metrics, and replay-log lines. None may
+//! panic; whatever decodes must encode again and decode to the same value.
 #![no_main]
 
-use kvrouter_core::codec::{self, Envelope, kv, metrics, replica, vllm};
+use kvrouter_core::codec::{self, Envelope, kv, metrics, replica, session, vllm};
 use kvrouter_core::engine::{Converter, Dropped};
 use kvrouter_core::replay::parse_line;
 use libfuzzer_sys::fuzz_target;
@@ -36,6 +36,10 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(events) = replica::decode(data) {
         let bytes = replica::encode_batch(&events).unwrap();
         assert_eq!(replica::decode(&bytes).unwrap(), events);
+    }
+    if let Ok(bindings) = session::decode(data) {
+        let bytes = session::encode_batch(&bindings).unwrap();
+        assert_eq!(session::decode(&bytes).unwrap(), bindings);
     }
     if let Ok(inner) = codec::zmq_plane_envelope(data) {
         let _ = kv::decode_message(inner);

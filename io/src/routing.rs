@@ -63,8 +63,12 @@ pub(crate) trait Routing {
     /// Whether `worker` is a candidate now and has room for one more request.
     fn is_open(&mut self, worker: WorkerDp) -> bool;
 
-    /// The executor's clock, milliseconds since the service started.
-    fn clock_ms(&self) -> u64;
+    /// The worker `session` is bound to now (session affinity), if any.
+    fn session_worker(&mut self, session: &str) -> Option<WorkerDp>;
+
+    /// Binds `session` to `worker` for the session TTL from now (one of its requests was
+    /// routed there); with session sync, the other replicas hear of it.
+    fn bind_session(&mut self, session: &str, worker: WorkerDp);
 
     /// Whether the index is ready (the routing API's `/healthz`).
     fn is_healthy(&self) -> bool;

@@ -311,6 +311,10 @@ pub(crate) struct ServeArgs {
     /// Seconds a session stays bound to its worker after its last request (0: off).
     #[arg(long, env = "KVROUTER_SESSION_TTL_SECS")]
     session_ttl_secs: Option<u64>,
+    /// Share session bindings with the other replicas (with replica sync on), so a session
+    /// stays on its worker whichever replica its requests reach.
+    #[arg(long, env = "KVROUTER_SESSION_SYNC")]
+    session_sync: Option<bool>,
 }
 
 /// The effective configuration (also the TOML file's schema).
@@ -398,6 +402,7 @@ pub(crate) struct ServeConfig {
     tokenize_cache_mib: usize,
     session_header: Option<String>,
     session_ttl_secs: u64,
+    session_sync: bool,
 }
 
 impl Default for ServeConfig {
@@ -477,6 +482,7 @@ impl Default for ServeConfig {
             tokenize_cache_mib: proxy.piece_cache_bytes >> 20,
             session_header: None,
             session_ttl_secs: proxy.session_ttl.as_secs(),
+            session_sync: proxy.session_sync,
         }
     }
 }
@@ -662,7 +668,8 @@ impl ServeConfig {
             tokenizer_threads,
             inline_tokenize_bytes,
             tokenize_cache_mib,
-            session_ttl_secs
+            session_ttl_secs,
+            session_sync
         );
         overlay_opt!(
             cfg,
@@ -782,6 +789,7 @@ impl ServeConfig {
             body_timeout: Duration::from_secs(self.body_timeout_secs.max(1)),
             session_header: self.session_header.clone().map(|h| h.to_ascii_lowercase()),
             session_ttl: Duration::from_secs(self.session_ttl_secs),
+            session_sync: self.session_sync,
             ..d
         }))
     }

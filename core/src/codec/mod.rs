@@ -12,6 +12,7 @@
 //! | `active_sequences_events` | one [`ActiveSequenceEvent`](replica::ActiveSequenceEvent) or a batch | [`replica`] |
 //! | `kv_metrics` | [`KvMetrics`](metrics::KvMetrics) | [`metrics`] |
 //! | `forward-pass-metrics` | [`ForwardPassMetrics`](metrics::ForwardPassMetrics) | [`metrics`] |
+//! | `kvrouter_session_bindings` (ours, not Dynamo's) | [`SessionBinding`](session::SessionBinding)s | [`session`] |
 //!
 //! Structs are encoded as maps with named fields in Dynamo's field order (rmp-serde's
 //! `to_vec_named`, as Dynamo does), so decoding a captured message and encoding it again
@@ -21,6 +22,7 @@
 pub mod kv;
 pub mod metrics;
 pub mod replica;
+pub mod session;
 pub mod vllm;
 
 use serde::{Deserialize, Serialize};
@@ -33,6 +35,8 @@ pub const TOPIC_ACTIVE_SEQUENCES: &str = "active_sequences_events";
 pub const TOPIC_KV_METRICS: &str = "kv_metrics";
 /// Topic of a worker's per-forward-pass metrics.
 pub const TOPIC_FORWARD_PASS_METRICS: &str = "forward-pass-metrics";
+/// Topic of session bindings shared between kvrouter replicas (kvrouter's own).
+pub const TOPIC_SESSION_BINDINGS: &str = "kvrouter_session_bindings";
 
 /// Why a payload could not be decoded or encoded.
 #[derive(Debug, thiserror::Error)]

@@ -60,8 +60,6 @@ pub(crate) struct Front {
     dynamo: Option<Target>,
     pub(super) pool: Pool,
     pub(super) stats: Rc<ProxyStats>,
-    /// Session → (worker, expiry in the executor's clock, ms).
-    pub(super) sessions: RefCell<HashMap<String, (WorkerDp, u64)>>,
     warn: Throttle,
     created: u64,
 }
@@ -178,7 +176,6 @@ impl Front {
             dynamo,
             pool: Pool::default(),
             stats,
-            sessions: RefCell::default(),
             warn: Throttle::new(Duration::from_secs(10)),
             created,
         })

@@ -138,6 +138,10 @@ pub struct ProxyConfig {
     pub session_ttl: Duration,
     /// Most sessions bound at once (100,000).
     pub max_sessions: usize,
+    /// Share session bindings with the other replicas, with replica sync on (true): a
+    /// session then stays on its worker whichever replica its requests reach
+    /// ([`kvrouter_core::sessions`]).
+    pub session_sync: bool,
     /// Consecutive requests of a model with no cached prefix anywhere after which the
     /// proxy warns that its tokenisation may not be the engine's (64).
     pub zero_overlap_warn: u64,
@@ -169,6 +173,7 @@ impl Default for ProxyConfig {
             session_header: None,
             session_ttl: Duration::from_secs(600),
             max_sessions: 100_000,
+            session_sync: true,
             zero_overlap_warn: 64,
             tokenizer_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())

@@ -3,19 +3,16 @@
 //! a candidate with room; the binding lasts `session_ttl` after the session's last request,
 //! and at most `max_sessions` are held.
 //!
-//! Bindings are per replica, not shared through replica sync. Replica sync carries
-//! Dynamo's own active-sequence messages (so that a Dynamo router and kvrouter replicas can
-//! share one subject), which have no field for a session; a message of our own would
-//! break that compatibility. What a shared binding would buy is small: every replica sees
-//! the same KV events and, through replica sync, every replica's in-flight requests, so a
-//! session's next turn, wherever it lands, finds its prefix cached (or in flight, with
-//! `credit_inflight`) on the worker that served the last one and is routed there by the
-//! cost alone; the binding only decides ties and the turns whose cache was evicted. A
-//! deployment that needs strict stickiness across replicas routes a session's requests
-//! to one replica (a hash of the session header at the load balancer).
+//! The bindings live in the routing state ([`kvrouter_core::sessions::Sessions`]). With
+//! replica sync and [`ProxyConfig::session_sync`](super::ProxyConfig::session_sync) on,
+//! replicas share them on a subject of kvrouter's own beside Dynamo's active-sequence one
+//! (whose messages have no field for a session, and which Dynamo's routers read too): a
+//! session stays on its worker whichever replica its requests reach, and two replicas
+//! that bind one session at once end on the same worker.
 
 use hyper::header::HeaderMap;
 use kvrouter_core::decision::{DecideError, Decision};
+use kvrouter_core::sessions::MAX_SESSION_LEN;
 use kvrouter_core::worker::WorkerDp;
 
 use super::front::Front;
@@ -35,7 +32,7 @@ impl Front {
             .get(DYNAMO_SESSION)
             .or_else(|| named.and_then(|n| headers.get(n)))
             .and_then(|v| v.to_str().ok())
-            .filter(|s| !s.is_empty() && s.len() <= 256)
+            .filter(|s| !s.is_empty() && s.len() <= MAX_SESSION_LEN)
             .map(str::to_owned)
     }
 
@@ -48,47 +45,27 @@ impl Front {
         excluded: &[WorkerDp],
     ) -> Result<Decision, DecideError> {
         let mut st = self.state.borrow_mut();
-        let now = st.clock_ms();
-        if let Some(s) = session {
-            let bound = self
-                .sessions
-                .borrow()
-                .get(s)
-                .filter(|(_, exp)| *exp > now)
-                .map(|b| b.0);
-            if let Some(w) = bound {
-                if !excluded.contains(&w) && st.is_open(w) {
-                    match st.decide(ask.clone(), &[w]) {
-                        Ok(d) => {
-                            self.stats.add(&self.stats.session_bound, 1);
-                            self.bind(s, d.worker, now);
-                            return Ok(d);
-                        }
-                        Err(DecideError::WorkersFull { .. }) => {}
-                        Err(e) => return Err(e),
+        if let Some(s) = session
+            && let Some(w) = st.session_worker(s)
+        {
+            if !excluded.contains(&w) && st.is_open(w) {
+                match st.decide(ask.clone(), &[w]) {
+                    Ok(d) => {
+                        self.stats.add(&self.stats.session_bound, 1);
+                        st.bind_session(s, d.worker);
+                        return Ok(d);
                     }
+                    Err(DecideError::WorkersFull { .. }) => {}
+                    Err(e) => return Err(e),
                 }
-                self.stats.add(&self.stats.session_yielded, 1);
             }
+            self.stats.add(&self.stats.session_yielded, 1);
         }
         let workers = st.candidates(excluded);
         let d = st.decide(ask, &workers)?;
         if let Some(s) = session {
-            self.bind(s, d.worker, now);
+            st.bind_session(s, d.worker);
         }
         Ok(d)
-    }
-
-    fn bind(&self, session: &str, worker: WorkerDp, now: u64) {
-        let mut map = self.sessions.borrow_mut();
-        if map.len() >= self.cfg.max_sessions && !map.contains_key(session) {
-            map.retain(|_, (_, exp)| *exp > now);
-            if map.len() >= self.cfg.max_sessions {
-                return;
-            }
-        }
-        let ttl = self.cfg.session_ttl.as_millis() as u64;
-        map.insert(session.to_owned(), (worker, now + ttl));
-        self.stats.sessions.set(map.len() as u64);
     }
 }

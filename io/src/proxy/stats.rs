@@ -329,7 +329,7 @@ impl ProxyStats {
             ),
             (
                 "kvrouter_proxy_sessions",
-                "Sessions bound now.",
+                "Session bindings held, this replica's and those taken from others (expired ones until the next sweep, at most 10 s later).",
                 "gauge",
                 self.sessions.get(),
             ),

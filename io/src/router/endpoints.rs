@@ -9,8 +9,10 @@ use kvrouter_core::chain::SequenceChain;
 use kvrouter_core::codec::replica::{
     ActiveSequenceEvent, ActiveSequenceEventData, PrefillLoadHint,
 };
+use kvrouter_core::codec::session::SessionBinding;
 use kvrouter_core::decision::{DecideError, Decider, Decision, Lookup, Route};
 use kvrouter_core::hash::{HashOptions, LocalBlockHash, local_block_hashes};
+use kvrouter_core::sessions::{Applied, Sessions};
 use kvrouter_core::slots::SlotError;
 use kvrouter_core::worker::WorkerDp;
 use serde::Serialize;
@@ -92,6 +94,24 @@ pub(crate) struct State {
     /// The ingest's share of `known` (sorted): a worker that leaves it was removed by the
     /// ingest, and leaves routing with it.
     from_ingest: Vec<WorkerDp>,
+    /// Session affinity's bindings (the OpenAI front with a session TTL only).
+    sessions: Option<Sessions>,
+    /// Bindings to announce to the other replicas (with session sync on).
+    session_tx: Option<flume::Sender<SessionBinding>>,
+    /// The session publisher's counters.
+    pub(super) session_replica: Rc<super::replica::ReplicaStats>,
+    /// When the session table is next swept of expired bindings.
+    session_sweep_ms: u64,
+}
+
+/// How often the session table is swept of expired bindings, ms.
+const SESSION_SWEEP_MS: u64 = 10_000;
+
+/// Milliseconds since the Unix epoch (session bindings' stamps).
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl State {
@@ -100,9 +120,21 @@ impl State {
         ingest: Option<IngestView>,
         mut decider: Decider,
         replica_tx: Option<flume::Sender<ActiveSequenceEvent>>,
+        session_tx: Option<flume::Sender<SessionBinding>>,
     ) -> Self {
         // The replicas are told of a decision once it settles, with all its sequence hashes.
         decider.keep_settled(replica_tx.is_some());
+        let sessions = cfg
+            .proxy
+            .as_ref()
+            .filter(|p| !p.session_ttl.is_zero())
+            .map(|p| {
+                Sessions::new(
+                    p.session_ttl.as_millis() as u64,
+                    p.max_sessions,
+                    cfg.router_id,
+                )
+            });
         State {
             cfg,
             ingest,
@@ -118,6 +150,10 @@ impl State {
             known: Vec::new(),
             known_at: None,
             from_ingest: Vec::new(),
+            sessions,
+            session_tx,
+            session_replica: Rc::default(),
+            session_sweep_ms: SESSION_SWEEP_MS,
         }
     }
 
@@ -131,6 +167,46 @@ impl State {
         let n = self.decider.expire(now);
         self.send_settled();
         self.counters.expired += n as u64;
+        if now >= self.session_sweep_ms {
+            self.session_sweep_ms = now + SESSION_SWEEP_MS;
+            if let Some(s) = &mut self.sessions {
+                s.sweep(now);
+            }
+            self.session_gauge();
+        }
+    }
+
+    /// Applies other replicas' session bindings (a message of our own is skipped).
+    pub(super) fn apply_sessions(&mut self, publisher_id: u64, bindings: Vec<SessionBinding>) {
+        if publisher_id == self.cfg.router_id {
+            return;
+        }
+        let now = self.now_ms();
+        let Some(s) = &mut self.sessions else {
+            return;
+        };
+        for b in bindings {
+            let c = &mut self.counters.sessions;
+            match s.apply(b, now) {
+                Applied::Taken => c.taken += 1,
+                Applied::Refreshed => c.refreshed += 1,
+                Applied::Older => c.older += 1,
+                Applied::Full => c.full += 1,
+                Applied::Invalid => c.invalid += 1,
+            }
+        }
+        self.session_gauge();
+    }
+
+    /// A session-binding message that did not decode.
+    pub(super) fn session_undecodable(&mut self) {
+        self.counters.sessions.undecodable += 1;
+    }
+
+    fn session_gauge(&self) {
+        if let (Some(p), Some(s)) = (&self.proxy, &self.sessions) {
+            p.sessions.set(s.len() as u64);
+        }
     }
 
     /// Tells the replicas of the decisions that settled since the last call: each is the
@@ -614,8 +690,24 @@ impl Routing for State {
         self.known_workers().binary_search(&worker).is_ok() && !self.decider.slots().is_full(worker)
     }
 
-    fn clock_ms(&self) -> u64 {
-        self.now_ms()
+    fn session_worker(&mut self, session: &str) -> Option<WorkerDp> {
+        let now = self.now_ms();
+        self.sessions.as_ref()?.get(session, now)
+    }
+
+    fn bind_session(&mut self, session: &str, worker: WorkerDp) {
+        let now = self.now_ms();
+        let Some(s) = &mut self.sessions else {
+            return;
+        };
+        let announce = s.bind(session, worker, now, wall_ms());
+        self.session_gauge();
+        if let (Some(b), Some(tx)) = (announce, &self.session_tx) {
+            match tx.try_send(b) {
+                Ok(()) => self.counters.sessions.queued += 1,
+                Err(_) => self.counters.sessions.dropped += 1,
+            }
+        }
     }
 
     fn is_healthy(&self) -> bool {
@@ -627,6 +719,7 @@ impl Routing for State {
             &self.counters,
             &self.http,
             &self.replica,
+            &self.session_replica,
             &self.times,
             self.decider.slots(),
             self.ingest.as_ref(),
@@ -659,7 +752,7 @@ mod tests {
     fn replicas_hear_of_a_decision_once_it_settles_and_in_order() {
         let (tx, rx) = flume::unbounded();
         let decider = Decider::new(DeciderConfig::default());
-        let mut st = State::new(RouterConfig::default(), None, decider, Some(tx));
+        let mut st = State::new(RouterConfig::default(), None, decider, Some(tx), None);
         let locals: Vec<LocalBlockHash> = (1..=8).map(LocalBlockHash).collect();
         let ask = |id: &'static str| Ask {
             locals: &locals,

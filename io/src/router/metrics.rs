@@ -22,6 +22,24 @@ pub(super) struct ApiCounters {
     pub(super) too_large: u64,
     pub(super) overloaded: u64,
     pub(super) bad_request_ids: u64,
+    pub(super) sessions: SessionCounters,
+}
+
+/// What became of session bindings, ours and the other replicas'.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct SessionCounters {
+    /// Ours, handed to the publisher.
+    pub(super) queued: u64,
+    /// Ours, not sent: the publisher's queue was full.
+    pub(super) dropped: u64,
+    /// Theirs, by what [`kvrouter_core::sessions::Sessions::apply`] did.
+    pub(super) taken: u64,
+    pub(super) refreshed: u64,
+    pub(super) older: u64,
+    pub(super) full: u64,
+    pub(super) invalid: u64,
+    /// Their messages that did not decode.
+    pub(super) undecodable: u64,
 }
 
 /// The last [`DecisionTimes::CAP`] decision times, ns.
@@ -69,6 +87,7 @@ pub(super) fn render(
     c: &ApiCounters,
     http: &HttpStats,
     replica: &ReplicaStats,
+    sessions: &ReplicaStats,
     times: &DecisionTimes,
     slots: &Slots,
     ingest: Option<&IngestView>,
@@ -187,6 +206,25 @@ pub(super) fn render(
         ),
     ] {
         metric(&mut out, name, "counter", help, v);
+    }
+    let sc = &c.sessions;
+    out.push_str("# HELP kvrouter_replica_session_bindings_total Session bindings shared with the other replicas: ours queued, dropped (queue full), out (taken by the NATS client), unsent; theirs taken, refreshed, older (ours is later), full (no room), invalid, undecodable (messages).\n# TYPE kvrouter_replica_session_bindings_total counter\n");
+    for (op, v) in [
+        ("queued", sc.queued),
+        ("dropped", sc.dropped),
+        ("out", sessions.out.get()),
+        ("unsent", sessions.unsent.get()),
+        ("taken", sc.taken),
+        ("refreshed", sc.refreshed),
+        ("older", sc.older),
+        ("full", sc.full),
+        ("invalid", sc.invalid),
+        ("undecodable", sc.undecodable),
+    ] {
+        let _ = writeln!(
+            out,
+            "kvrouter_replica_session_bindings_total{{op=\"{op}\"}} {v}"
+        );
     }
     metric(
         &mut out,

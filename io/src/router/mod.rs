@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use kvrouter_core::codec::Subjects;
 use kvrouter_core::codec::replica::ActiveSequenceEvent;
+use kvrouter_core::codec::session::SessionBinding;
 use kvrouter_core::decision::{Decider, DeciderConfig, Limits, Selection};
 use kvrouter_core::index::{ApproxConfig, PoolReaders};
 use kvrouter_core::policy::CostConfig;
@@ -275,6 +276,13 @@ async fn run(
     };
     let addr = listener.local_addr().unwrap_or(cfg.listen);
     let (replica_tx, replica_rx) = flume::bounded::<ActiveSequenceEvent>(replica::QUEUE);
+    // Session bindings are shared when the front binds sessions and asks to share them.
+    let session_sync = cfg.replica_sync
+        && cfg
+            .proxy
+            .as_ref()
+            .is_some_and(|p| p.session_sync && !p.session_ttl.is_zero());
+    let (session_tx, session_rx) = flume::bounded::<SessionBinding>(replica::QUEUE);
     let mut decider = Decider::new(decider_config(&cfg));
     decider.set_pool_readers(cfg.pool_readers.clone());
     let state = Rc::new(RefCell::new(endpoints::State::new(
@@ -282,6 +290,7 @@ async fn run(
         ingest,
         decider,
         cfg.replica_sync.then_some(replica_tx),
+        session_sync.then_some(session_tx),
     )));
     if cfg.replica_sync {
         // Connected in the background: a broker not reachable yet delays replica sync
@@ -293,7 +302,11 @@ async fn run(
             let started = match Client::connect(c.nats.clone()).await {
                 Ok(client) => {
                     let stats = Rc::clone(&st.borrow().replica);
-                    replica::start(client, st, replica_rx, stats, &c).await
+                    let sessions = session_sync.then(|| replica::SessionSync {
+                        out: session_rx,
+                        stats: Rc::clone(&st.borrow().session_replica),
+                    });
+                    replica::start(client, st, replica_rx, stats, sessions, &c).await
                 }
                 Err(e) => Err(e),
             };

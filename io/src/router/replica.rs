@@ -13,13 +13,19 @@
 //! they know the request, its prefill load, and its free); only an event that fits in no
 //! form is not sent. [`ReplicaStats`] counts each of these: `out` is what the client took,
 //! never what was merely queued.
+//!
+//! With the OpenAI front's session affinity, session bindings travel the same way on a
+//! subject of their own (`kvrouter_session_bindings`, see
+//! [`kvrouter_core::codec::session`]); how a replica takes them is
+//! [`kvrouter_core::sessions`]'.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use kvrouter_core::codec::replica::{self, ActiveSequenceEvent, ActiveSequenceEventData};
-use kvrouter_core::codec::{Envelope, TOPIC_ACTIVE_SEQUENCES};
+use kvrouter_core::codec::session::{self, SessionBinding};
+use kvrouter_core::codec::{Envelope, TOPIC_ACTIVE_SEQUENCES, TOPIC_SESSION_BINDINGS};
 
 use super::RouterConfig;
 use super::endpoints::State;
@@ -72,56 +78,76 @@ pub(super) fn pack(
     stats: &ReplicaStats,
 ) -> Vec<(Vec<u8>, usize)> {
     let mut out = Vec::new();
-    pack_into(batch, max, stats, &mut out);
+    let alone = |e: &ActiveSequenceEvent, size: usize| {
+        let cut = degrade(e, size, max);
+        if cut.is_some() {
+            add(&stats.degraded, 1);
+            crate::warn_throttled!(
+                request_id = %e.request_id,
+                bytes = size,
+                max,
+                "replica sync: a request's blocks exceed max_payload; sent cut to fit"
+            );
+        }
+        cut
+    };
+    pack_into(batch, max, &encode, &alone, stats, &mut out);
     out
 }
 
-fn pack_into(
-    batch: &[ActiveSequenceEvent],
+/// The payloads of session bindings, split as [`pack`] splits events (a binding is never
+/// cut: one that fits in no message is counted and not sent).
+fn pack_sessions(
+    batch: &[SessionBinding],
     max: usize,
+    stats: &ReplicaStats,
+) -> Vec<(Vec<u8>, usize)> {
+    let encode = |b: &[SessionBinding]| match session::encode_batch(b) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            crate::warn_throttled!(error = %e, "session sync: cannot encode");
+            None
+        }
+    };
+    let mut out = Vec::new();
+    pack_into(batch, max, &encode, &|_, _| None, stats, &mut out);
+    out
+}
+
+/// Splits `batch` in halves until each part's payload (`encode`) fits in `max`; a single
+/// item that does not goes as `alone` makes it fit, or is counted unsent.
+fn pack_into<T>(
+    batch: &[T],
+    max: usize,
+    encode: &impl Fn(&[T]) -> Option<Vec<u8>>,
+    alone: &impl Fn(&T, usize) -> Option<Vec<u8>>,
     stats: &ReplicaStats,
     out: &mut Vec<(Vec<u8>, usize)>,
 ) {
     if batch.is_empty() {
         return;
     }
-    let Some(payload) = encode(batch) else {
-        if batch.len() == 1 {
-            add(&stats.unsent, 1);
-        } else {
-            let (a, b) = batch.split_at(batch.len() / 2);
-            pack_into(a, max, stats, out);
-            pack_into(b, max, stats, out);
+    let size = match encode(batch) {
+        Some(p) if p.len() <= max => {
+            out.push((p, batch.len()));
+            return;
         }
-        return;
+        size => size.map(|p| p.len()),
     };
-    if payload.len() <= max {
-        out.push((payload, batch.len()));
-        return;
-    }
     if batch.len() > 1 {
         let (a, b) = batch.split_at(batch.len() / 2);
-        pack_into(a, max, stats, out);
-        pack_into(b, max, stats, out);
+        pack_into(a, max, encode, alone, stats, out);
+        pack_into(b, max, encode, alone, stats, out);
         return;
     }
-    match degrade(&batch[0], payload.len(), max) {
-        Some(p) => {
-            add(&stats.degraded, 1);
-            crate::warn_throttled!(
-                request_id = %batch[0].request_id,
-                bytes = payload.len(),
-                max,
-                "replica sync: a request's blocks exceed max_payload; sent cut to fit"
-            );
-            out.push((p, 1));
-        }
+    match size.and_then(|size| alone(&batch[0], size)) {
+        Some(p) => out.push((p, 1)),
         None => {
             add(&stats.unsent, 1);
             crate::warn_throttled!(
-                bytes = payload.len(),
+                bytes = size,
                 max,
-                "replica sync: an event exceeds max_payload in every form; not sent"
+                "replica sync: a message exceeds max_payload in every form; not sent"
             );
         }
     }
@@ -157,22 +183,39 @@ fn degrade(e: &ActiveSequenceEvent, size: usize, max: usize) -> Option<Vec<u8>> 
     }
 }
 
-/// Subscribes to the other replicas' events and starts the publisher of ours.
+/// Session bindings to announce, and the counters of their publisher (the OpenAI front
+/// with session affinity and `session_sync` on).
+pub(super) struct SessionSync {
+    pub(super) out: flume::Receiver<SessionBinding>,
+    pub(super) stats: Rc<ReplicaStats>,
+}
+
+/// Subscribes to the other replicas' events (and session bindings) and starts the
+/// publishers of ours.
 pub(super) async fn start(
     client: Client,
     state: Rc<RefCell<State>>,
     out: flume::Receiver<ActiveSequenceEvent>,
     stats: Rc<ReplicaStats>,
+    sessions: Option<SessionSync>,
     cfg: &RouterConfig,
 ) -> Result<(), NatsError> {
     let subject = cfg.subjects.subject(TOPIC_ACTIVE_SEQUENCES);
     let sub = client.subscribe(&subject, None)?;
+    let sessions = match sessions {
+        Some(sync) => {
+            let subject = cfg.subjects.subject(TOPIC_SESSION_BINDINGS);
+            Some((client.subscribe(&subject, None)?, subject, sync))
+        }
+        None => None,
+    };
     client.flush(Duration::from_secs(5)).await?;
+    let st = Rc::clone(&state);
     glommio::spawn_local(async move {
         while let Some(msg) = sub.next().await {
             match replica::decode_message(&msg.payload) {
                 Ok((_, events)) => {
-                    let mut s = state.borrow_mut();
+                    let mut s = st.borrow_mut();
                     for e in events {
                         s.apply_replica(e);
                     }
@@ -183,52 +226,94 @@ pub(super) async fn start(
     })
     .detach();
     let publisher_id = cfg.router_id;
-    glommio::spawn_local(async move { publish(client, subject, publisher_id, out, &stats).await })
+    if let Some((sub, subject, sync)) = sessions {
+        glommio::spawn_local(async move {
+            while let Some(msg) = sub.next().await {
+                match session::decode_message(&msg.payload) {
+                    Ok((env, bindings)) => state
+                        .borrow_mut()
+                        .apply_sessions(env.publisher_id, bindings),
+                    Err(e) => {
+                        state.borrow_mut().session_undecodable();
+                        crate::warn_throttled!(error = %e, "session sync: undecodable message");
+                    }
+                }
+            }
+        })
         .detach();
+        let (client, topic) = (client.clone(), TOPIC_SESSION_BINDINGS);
+        glommio::spawn_local(async move {
+            let to = Publisher {
+                client,
+                subject,
+                publisher_id,
+                topic,
+            };
+            to.run(sync.out, &sync.stats, pack_sessions).await
+        })
+        .detach();
+    }
+    glommio::spawn_local(async move {
+        let to = Publisher {
+            client,
+            subject,
+            publisher_id,
+            topic: TOPIC_ACTIVE_SEQUENCES,
+        };
+        to.run(out, &stats, pack).await
+    })
+    .detach();
     Ok(())
 }
 
-/// Batches of up to 256 events or 1 ms, in as many envelopes as `max_payload` needs.
-async fn publish(
+/// Payloads of at most `max` bytes carrying a batch, each with how many items it holds.
+type Pack<T> = fn(&[T], usize, &ReplicaStats) -> Vec<(Vec<u8>, usize)>;
+
+/// Where one publisher sends: a subject, with this router's envelopes of one topic.
+struct Publisher {
     client: Client,
     subject: String,
     publisher_id: u64,
-    out: flume::Receiver<ActiveSequenceEvent>,
-    stats: &ReplicaStats,
-) {
-    let mut seq = 0u64;
-    while let Ok(first) = out.recv_async().await {
-        let mut batch = vec![first];
-        let deadline = Instant::now() + Duration::from_millis(1);
-        while batch.len() < 256 {
-            match out.try_recv() {
-                Ok(e) => batch.push(e),
-                Err(_) if Instant::now() < deadline => {
-                    glommio::timer::sleep(Duration::from_micros(100)).await
+    topic: &'static str,
+}
+
+impl Publisher {
+    /// Batches of up to 256 items or 1 ms, in as many envelopes as `max_payload` needs.
+    async fn run<T>(self, out: flume::Receiver<T>, stats: &ReplicaStats, pack: Pack<T>) {
+        let mut seq = 0u64;
+        while let Ok(first) = out.recv_async().await {
+            let mut batch = vec![first];
+            let deadline = Instant::now() + Duration::from_millis(1);
+            while batch.len() < 256 {
+                match out.try_recv() {
+                    Ok(e) => batch.push(e),
+                    Err(_) if Instant::now() < deadline => {
+                        glommio::timer::sleep(Duration::from_micros(100)).await
+                    }
+                    Err(_) => break,
                 }
-                Err(_) => break,
             }
-        }
-        let max = client.max_payload().saturating_sub(ENVELOPE_ROOM);
-        for (payload, events) in pack(&batch, max, stats) {
-            let env = Envelope {
-                publisher_id,
-                sequence: seq,
-                published_at: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
-                topic: TOPIC_ACTIVE_SEQUENCES,
-                payload: &payload,
-            };
-            seq += 1;
-            match client.publish(&subject, &env.encode()).await {
-                Ok(()) => {
-                    add(&stats.out, events as u64);
-                    add(&stats.messages, 1);
-                }
-                Err(e) => {
-                    add(&stats.unsent, events as u64);
-                    crate::warn_throttled!(error = %e, events, "replica sync: publish failed");
+            let max = self.client.max_payload().saturating_sub(ENVELOPE_ROOM);
+            for (payload, items) in pack(&batch, max, stats) {
+                let env = Envelope {
+                    publisher_id: self.publisher_id,
+                    sequence: seq,
+                    published_at: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                    topic: self.topic,
+                    payload: &payload,
+                };
+                seq += 1;
+                match self.client.publish(&self.subject, &env.encode()).await {
+                    Ok(()) => {
+                        add(&stats.out, items as u64);
+                        add(&stats.messages, 1);
+                    }
+                    Err(e) => {
+                        add(&stats.unsent, items as u64);
+                        crate::warn_throttled!(error = %e, items, topic = self.topic, "replica sync: publish failed");
+                    }
                 }
             }
         }
