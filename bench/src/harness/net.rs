@@ -333,6 +333,10 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         "false",
         "--shards",
         "1",
+        // The load generator sends each prompt's token ids as JSON: an agentic prompt of
+        // 900 k tokens is over 6 MB, past the API's default limit of 4 MiB.
+        "--max-body-bytes",
+        "67108864",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -634,9 +638,11 @@ pub fn run_networked(
             let w = match (&mut router, policy) {
                 (Some((_, api)), _) => {
                     let body = serde_json::json!({ "token_ids": r.tokens(), "request_id": format!("r{i}") }).to_string();
-                    let answer: RouteAnswer =
-                        serde_json::from_slice(&api.call("POST", "/v1/route", &body)?)
-                            .context("router answer")?;
+                    let bytes = api.call("POST", "/v1/route", &body)?;
+                    let answer: RouteAnswer = serde_json::from_slice(&bytes).with_context(|| {
+                        let text = String::from_utf8_lossy(&bytes);
+                        format!("router answer to r{i}: {}", text.chars().take(300).collect::<String>())
+                    })?;
                     (answer.worker_id as usize)
                         .checked_sub(1)
                         .filter(|&w| w < n)
