@@ -380,4 +380,37 @@ mod tests {
         assert!(pack(&batch[..2], 8, &stats).is_empty());
         assert_eq!(stats.unsent.get(), 2);
     }
+
+    #[test]
+    fn session_bindings_split_to_fit_and_are_never_cut() {
+        let batch: Vec<SessionBinding> = (0..256)
+            .map(|i| SessionBinding {
+                session: format!("session-{i}-{}", "x".repeat(i % 200)),
+                worker: WorkerDp::new(i as u64 % 16, 0),
+                bound_at_ms: 1_780_000_000_000 + i as u64,
+                router_id: 7,
+            })
+            .collect();
+        let stats = ReplicaStats::default();
+        let parts = pack_sessions(&batch, 4096, &stats);
+        assert!(parts.len() > 1 && parts.iter().all(|(p, _)| p.len() <= 4096));
+        let got: Vec<SessionBinding> = parts
+            .iter()
+            .flat_map(|(p, _)| session::decode(p).unwrap())
+            .collect();
+        assert_eq!(got, batch);
+        assert_eq!((stats.degraded.get(), stats.unsent.get()), (0, 0));
+        // A binding bigger than a message is counted, not sent, and costs the others
+        // nothing.
+        let mut three = batch[..3].to_vec();
+        three[1].session = "y".repeat(5000);
+        let stats = ReplicaStats::default();
+        let parts = pack_sessions(&three, 4096, &stats);
+        let got: Vec<SessionBinding> = parts
+            .iter()
+            .flat_map(|(p, _)| session::decode(p).unwrap())
+            .collect();
+        assert_eq!(got, [three[0].clone(), three[2].clone()]);
+        assert_eq!(stats.unsent.get(), 1);
+    }
 }
