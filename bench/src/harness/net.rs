@@ -20,6 +20,8 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -639,10 +641,14 @@ pub fn run_networked(
                 (Some((_, api)), _) => {
                     let body = serde_json::json!({ "token_ids": r.tokens(), "request_id": format!("r{i}") }).to_string();
                     let bytes = api.call("POST", "/v1/route", &body)?;
-                    let answer: RouteAnswer = serde_json::from_slice(&bytes).with_context(|| {
-                        let text = String::from_utf8_lossy(&bytes);
-                        format!("router answer to r{i}: {}", text.chars().take(300).collect::<String>())
-                    })?;
+                    let answer: RouteAnswer =
+                        serde_json::from_slice(&bytes).with_context(|| {
+                            let text = String::from_utf8_lossy(&bytes);
+                            format!(
+                                "router answer to r{i}: {}",
+                                text.chars().take(300).collect::<String>()
+                            )
+                        })?;
                     (answer.worker_id as usize)
                         .checked_sub(1)
                         .filter(|&w| w < n)
@@ -829,6 +835,12 @@ fn run_openai(
     let t0 = trace.first().map_or(0, |r| r.timestamp) as f64;
     let arrival = |i: usize| (trace[i].timestamp as f64 - t0) / cfg.sim.speed;
     let (tx, rx) = flume::unbounded::<(usize, anyhow::Result<openai::Answer>)>();
+    // Client threads are reused: a thread per request made each one's allocator start
+    // from fresh pages, and zeroing them took most of the load generator's CPU (over a
+    // core on agentic prompts of megabytes, beside the router on two vCPUs). A request
+    // that finds no thread idle starts one, so none waits for another to finish.
+    let (jobs, queue) = flume::unbounded::<(usize, TraceRequest)>();
+    let idle = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let now_ms = || start.elapsed().as_secs_f64() * 1000.0;
     while completed < trace.len() {
@@ -836,14 +848,24 @@ fn run_openai(
         if next < trace.len() && arrival(next) <= now {
             let (i, r) = (next, trace[next].clone());
             next += 1;
-            let (client, tx) = (client.clone(), tx.clone());
-            std::thread::Builder::new()
-                .name("kvbench-client".into())
-                .spawn(move || {
-                    let answer = client.complete(i, &r.tokens(), r.output_length.max(1), start);
-                    let _ = tx.send((i, answer));
-                })
-                .context("starting a client thread")?;
+            let taken =
+                idle.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+            if taken.is_err() {
+                let (client, tx, queue, idle) =
+                    (client.clone(), tx.clone(), queue.clone(), Arc::clone(&idle));
+                std::thread::Builder::new()
+                    .name("kvbench-client".into())
+                    .spawn(move || {
+                        while let Ok((i, r)) = queue.recv() {
+                            let answer =
+                                client.complete(i, &r.tokens(), r.output_length.max(1), start);
+                            let _ = tx.send((i, answer));
+                            idle.fetch_add(1, Ordering::AcqRel);
+                        }
+                    })
+                    .context("starting a client thread")?;
+            }
+            jobs.send((i, r)).context("client threads stopped")?;
             continue;
         }
         let wait = if next < trace.len() {

@@ -360,13 +360,29 @@ impl Client {
         max_tokens: u32,
         start: Instant,
     ) -> anyhow::Result<Answer> {
-        let body = serde_json::to_vec(&serde_json::json!({
-            "model": MODEL,
-            "prompt": tokens,
-            "max_tokens": max_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        }))?;
+        // Serialised from the slice: a `json!` value would first build one `Value` per
+        // token (29 MB for a 900 k-token agentic prompt).
+        #[derive(serde::Serialize)]
+        struct Usage {
+            include_usage: bool,
+        }
+        #[derive(serde::Serialize)]
+        struct Completion<'a> {
+            model: &'a str,
+            prompt: &'a [u32],
+            max_tokens: u32,
+            stream: bool,
+            stream_options: Usage,
+        }
+        let body = serde_json::to_vec(&Completion {
+            model: MODEL,
+            prompt: tokens,
+            max_tokens,
+            stream: true,
+            stream_options: Usage {
+                include_usage: true,
+            },
+        })?;
         let head = format!(
             "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
             body.len()
