@@ -315,6 +315,9 @@ pub(crate) struct ServeArgs {
     /// stays on its worker whichever replica its requests reach.
     #[arg(long, env = "KVROUTER_SESSION_SYNC")]
     session_sync: Option<bool>,
+    /// Most sessions bound at once (a new session past it is routed by the cost alone).
+    #[arg(long, env = "KVROUTER_MAX_SESSIONS")]
+    max_sessions: Option<usize>,
 }
 
 /// The effective configuration (also the TOML file's schema).
@@ -403,6 +406,7 @@ pub(crate) struct ServeConfig {
     session_header: Option<String>,
     session_ttl_secs: u64,
     session_sync: bool,
+    max_sessions: usize,
 }
 
 impl Default for ServeConfig {
@@ -483,6 +487,7 @@ impl Default for ServeConfig {
             session_header: None,
             session_ttl_secs: proxy.session_ttl.as_secs(),
             session_sync: proxy.session_sync,
+            max_sessions: proxy.max_sessions,
         }
     }
 }
@@ -669,7 +674,8 @@ impl ServeConfig {
             inline_tokenize_bytes,
             tokenize_cache_mib,
             session_ttl_secs,
-            session_sync
+            session_sync,
+            max_sessions
         );
         overlay_opt!(
             cfg,
@@ -790,6 +796,7 @@ impl ServeConfig {
             session_header: self.session_header.clone().map(|h| h.to_ascii_lowercase()),
             session_ttl: Duration::from_secs(self.session_ttl_secs),
             session_sync: self.session_sync,
+            max_sessions: self.max_sessions.max(1),
             ..d
         }))
     }
@@ -1226,6 +1233,52 @@ mod tests {
             .unwrap();
             assert!(cfg.proxy(&[]).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn session_settings_from_toml_and_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let front = "openai_listen = \"127.0.0.1:0\"\nmodels = [\"tiny=/c\"]\nworker_urls = [\"1=http://127.0.0.1:9\"]\n";
+        let cfg: ServeConfig = toml::from_str(front).unwrap();
+        let p = cfg.proxy(&[]).unwrap().unwrap();
+        assert_eq!(
+            (p.session_sync, p.max_sessions, p.session_ttl.as_secs()),
+            (true, 100_000, 600)
+        );
+        let cfg: ServeConfig = toml::from_str(&format!(
+            "{front}session_sync = false\nmax_sessions = 5000\nsession_ttl_secs = 60\n"
+        ))
+        .unwrap();
+        let p = cfg.proxy(&[]).unwrap().unwrap();
+        assert_eq!(
+            (p.session_sync, p.max_sessions, p.session_ttl.as_secs()),
+            (false, 5000, 60)
+        );
+        let cli = Cli::try_parse_from([
+            "x",
+            "--openai-listen",
+            "127.0.0.1:0",
+            "--model",
+            "tiny=/c",
+            "--worker-url",
+            "1=http://127.0.0.1:9",
+            "--session-sync",
+            "false",
+            "--max-sessions",
+            "7",
+        ])
+        .unwrap();
+        let p = ServeConfig::resolve(&cli.serve)
+            .unwrap()
+            .proxy(&[])
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.session_sync, p.max_sessions), (false, 7));
     }
 
     #[test]
