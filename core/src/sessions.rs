@@ -236,6 +236,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const TTL: u64 = 10_000;
     const W1: WorkerDp = WorkerDp::new(1, 0);
@@ -303,6 +304,93 @@ mod tests {
         // An old announcement of an expired binding is taken: nothing later is live.
         assert_eq!(r2.apply(b1, 100_000), Applied::Taken);
         assert_eq!(r2.get("a", 100_000), Some(W1));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Replica `r` routes a request of session `s` to worker `w`, its wall clock at
+        /// `wall` (clocks differ between replicas and may step back).
+        Bind { r: usize, s: u8, w: u64, wall: u64 },
+        /// Replica `r` receives the pending announcement at `pick` (any order).
+        Deliver { r: usize, pick: usize },
+    }
+
+    fn op(replicas: usize) -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0..replicas, 0..3u8, 1..4u64, 0..50u64).prop_map(|(r, s, w, wall)| Op::Bind {
+                r,
+                s,
+                w,
+                wall
+            }),
+            (0..replicas, any::<usize>()).prop_map(|(r, pick)| Op::Deliver { r, pick }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// Whatever the interleaving of bindings and the order announcements arrive in,
+        /// once all have arrived every replica holds, for each session, the announced
+        /// binding with the latest stamp.
+        #[test]
+        fn replicas_agree_once_every_announcement_arrived(
+            replicas in 2..5usize,
+            ops in proptest::collection::vec(op(4), 1..60),
+            order in any::<u64>(),
+        ) {
+            let mut tables: Vec<Sessions> =
+                (0..replicas).map(|r| Sessions::new(u64::MAX / 4, 100, r as u64 + 1)).collect();
+            // Each replica's inbox: announcements from the others, not yet applied.
+            let mut inbox: Vec<Vec<SessionBinding>> = vec![Vec::new(); replicas];
+            let mut announced: Vec<SessionBinding> = Vec::new();
+            for (now, op) in ops.iter().enumerate() {
+                let now = now as u64;
+                match *op {
+                    Op::Bind { r, s, w, wall } => {
+                        let r = r % replicas;
+                        let name = format!("s{s}");
+                        if let Some(b) = tables[r].bind(&name, WorkerDp::new(w, 0), now, wall) {
+                            for (o, q) in inbox.iter_mut().enumerate() {
+                                if o != r {
+                                    q.push(b.clone());
+                                }
+                            }
+                            announced.push(b);
+                        }
+                    }
+                    Op::Deliver { r, pick } => {
+                        let q = &mut inbox[r % replicas];
+                        if !q.is_empty() {
+                            let b = q.remove(pick % q.len());
+                            tables[r % replicas].apply(b, now);
+                        }
+                    }
+                }
+            }
+            // The rest arrive, in an order of their own.
+            let now = ops.len() as u64;
+            let mut rng = order | 1;
+            for (r, q) in inbox.iter_mut().enumerate() {
+                while !q.is_empty() {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    let b = q.remove(rng as usize % q.len());
+                    tables[r].apply(b, now);
+                }
+            }
+            for s in 0..3u8 {
+                let name = format!("s{s}");
+                let latest = announced
+                    .iter()
+                    .filter(|b| b.session == name)
+                    .max_by_key(|b| (b.bound_at_ms, b.router_id));
+                for t in &tables {
+                    prop_assert_eq!(t.get(&name, now), latest.map(|b| b.worker));
+                }
+            }
+        }
     }
 
     #[test]
