@@ -79,19 +79,6 @@ pub enum Applied {
     Invalid,
 }
 
-impl Applied {
-    /// A short stable label, for metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            Applied::Taken => "taken",
-            Applied::Refreshed => "refreshed",
-            Applied::Older => "older",
-            Applied::Full => "full",
-            Applied::Invalid => "invalid",
-        }
-    }
-}
-
 /// The session table of one router (see the [module docs](self)).
 #[derive(Debug)]
 pub struct Sessions {

@@ -848,8 +848,10 @@ fn run_openai(
         if next < trace.len() && arrival(next) <= now {
             let (i, r) = (next, trace[next].clone());
             next += 1;
+            // `idle` is a count only: the job itself reaches a thread through the channel,
+            // which orders it, so no ordering pairs with these updates.
             let taken =
-                idle.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+                idle.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
             if taken.is_err() {
                 let (client, tx, queue, idle) =
                     (client.clone(), tx.clone(), queue.clone(), Arc::clone(&idle));
@@ -860,7 +862,7 @@ fn run_openai(
                             let answer =
                                 client.complete(i, &r.tokens(), r.output_length.max(1), start);
                             let _ = tx.send((i, answer));
-                            idle.fetch_add(1, Ordering::AcqRel);
+                            idle.fetch_add(1, Ordering::Relaxed);
                         }
                     })
                     .context("starting a client thread")?;
