@@ -18,9 +18,12 @@
 //! `to_vec_named`, as Dynamo does), so decoding a captured message and encoding it again
 //! gives the same bytes. Unknown fields are ignored. Malformed input gives a
 //! [`CodecError`], never a panic (fuzzed by `fuzz/fuzz_targets/codec_decode.rs`).
+//!
+//! [`openai`] parses the body of an OpenAI request for the front (JSON, not Dynamo's wire).
 
 pub mod kv;
 pub mod metrics;
+pub mod openai;
 pub mod replica;
 pub mod session;
 pub mod vllm;
