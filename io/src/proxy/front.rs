@@ -24,7 +24,7 @@ use serde_json::Value as Json;
 
 use super::model::ModelCard;
 use super::relay::{Inflight, Life, ProxyBody};
-use super::request::Prompt;
+use super::request::{Models, Prompt};
 use super::rt::{Io, Timer};
 use super::stats::ProxyStats;
 use super::upstream::{Pool, Target};
@@ -53,8 +53,8 @@ pub(crate) struct Front {
     /// The routing state, shared with the routing API on this executor.
     pub(super) state: Rc<RefCell<dyn Routing>>,
     pub(super) cfg: ProxyConfig,
-    /// Served name, card (shared by every name of one directory), LoRA adapter.
-    models: Vec<(String, Arc<ModelCard>, Option<String>)>,
+    /// What it serves (shared with the tokenizer threads).
+    pub(super) models: Arc<Models>,
     pub(super) tokenizers: super::tokenize::Tokenizers,
     targets: HashMap<u64, Target>,
     dynamo: Option<Target>,
@@ -68,7 +68,7 @@ impl std::fmt::Debug for Front {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Front")
             .field("listen", &self.cfg.listen)
-            .field("models", &self.models.len())
+            .field("models", &self.models.0.len())
             .finish_non_exhaustive()
     }
 }
@@ -170,7 +170,7 @@ impl Front {
         Ok(Front {
             state,
             cfg,
-            models,
+            models: Arc::new(Models(models)),
             tokenizers,
             targets,
             dynamo,
@@ -213,6 +213,7 @@ impl Front {
     fn models_json(&self) -> Response<ProxyBody> {
         let data: Vec<Json> = self
             .models
+            .0
             .iter()
             .map(|(name, _, _)| {
                 serde_json::json!({"id": name, "object": "model", "created": self.created, "owned_by": "kvrouter"})
@@ -224,14 +225,6 @@ impl Front {
             serde_json::to_vec(&body).unwrap_or_default(),
             "application/json",
         )
-    }
-
-    /// The card of a served model name, and the LoRA adapter it names.
-    pub(super) fn card(&self, name: &str) -> Option<(&Arc<ModelCard>, Option<&str>)> {
-        self.models
-            .iter()
-            .find(|(n, _, _)| n == name)
-            .map(|(_, c, l)| (c, l.as_deref()))
     }
 
     /// A refused decision as the client sees it, counted as `/v1/route` counts it.
@@ -274,6 +267,7 @@ impl Front {
             json,
             model,
             tokens,
+            prompt_ids,
             stream,
             lora,
         } = match self.read_prompt(&parts.headers, body, ep).await {
@@ -353,7 +347,7 @@ impl Front {
                 continue;
             };
             let upstream_body = match &self.dynamo {
-                Some(_) => dynamo_body(&json, d.worker, &tokens),
+                Some(_) => dynamo_body(&json, d.worker, &tokens, prompt_ids),
                 None => body.clone(),
             };
             let uri = format!(
@@ -433,16 +427,67 @@ impl Front {
 }
 
 /// The body for a Dynamo frontend in direct mode: the request with the chosen worker and
-/// our token ids in `nvext` (what was there is kept).
-fn dynamo_body(json: &Json, worker: WorkerDp, tokens: &[u32]) -> Bytes {
-    let mut j = json.clone();
-    if !j["nvext"].is_object() {
-        j["nvext"] = Json::Object(serde_json::Map::new());
+/// our token ids in `nvext` (what else was there is kept), and a `prompt` of token ids
+/// (`prompt_ids`) given back. Written from the token slice: no JSON value per token.
+fn dynamo_body(json: &Json, worker: WorkerDp, tokens: &[u32], prompt_ids: bool) -> Bytes {
+    let body = DynamoBody {
+        fields: json.as_object(),
+        worker,
+        tokens,
+        prompt_ids,
+    };
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+struct DynamoBody<'a> {
+    fields: Option<&'a serde_json::Map<String, Json>>,
+    worker: WorkerDp,
+    tokens: &'a [u32],
+    prompt_ids: bool,
+}
+
+/// What [`dynamo_body`] writes into `nvext`.
+const NVEXT_OURS: [&str; 3] = ["backend_instance_id", "dp_rank", "token_data"];
+
+impl serde::Serialize for DynamoBody<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        let mut kept = None;
+        for (k, v) in self.fields.into_iter().flatten() {
+            match k.as_str() {
+                "nvext" => kept = v.as_object(),
+                "prompt" if self.prompt_ids => {}
+                _ => m.serialize_entry(k, v)?,
+            }
+        }
+        if self.prompt_ids {
+            m.serialize_entry("prompt", self.tokens)?;
+        }
+        m.serialize_entry("nvext", &Nvext { kept, body: self })?;
+        m.end()
     }
-    j["nvext"]["backend_instance_id"] = Json::from(worker.worker_id);
-    j["nvext"]["dp_rank"] = Json::from(worker.dp_rank);
-    j["nvext"]["token_data"] = Json::from(tokens.to_vec());
-    Bytes::from(serde_json::to_vec(&j).unwrap_or_default())
+}
+
+struct Nvext<'a> {
+    kept: Option<&'a serde_json::Map<String, Json>>,
+    body: &'a DynamoBody<'a>,
+}
+
+impl serde::Serialize for Nvext<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        for (k, v) in self.kept.into_iter().flatten() {
+            if !NVEXT_OURS.contains(&k.as_str()) {
+                m.serialize_entry(k, v)?;
+            }
+        }
+        m.serialize_entry("backend_instance_id", &self.body.worker.worker_id)?;
+        m.serialize_entry("dp_rank", &self.body.worker.dp_rank)?;
+        m.serialize_entry("token_data", self.body.tokens)?;
+        m.end()
+    }
 }
 
 /// Accepts client connections until the executor stops.
@@ -506,5 +551,45 @@ impl Drop for OpenConn {
     fn drop(&mut self) {
         let c = &self.0.connections_open;
         c.set(c.get().saturating_sub(1));
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body_of(json: &Json, tokens: &[u32], prompt_ids: bool) -> Json {
+        let worker = WorkerDp {
+            worker_id: 7,
+            dp_rank: 3,
+        };
+        serde_json::from_slice(&dynamo_body(json, worker, tokens, prompt_ids)).unwrap()
+    }
+
+    #[test]
+    fn the_dynamo_body_names_the_worker_and_hands_over_the_ids() {
+        // A text prompt stays; what the client put in nvext stays, apart from ours.
+        let text = json!({"model": "m", "prompt": "hi", "x": [1, {"y": null}],
+            "nvext": {"keep": 1, "token_data": [9], "dp_rank": 0}});
+        assert_eq!(
+            body_of(&text, &[1, 2], false),
+            json!({"model": "m", "prompt": "hi", "x": [1, {"y": null}],
+                "nvext": {"keep": 1, "backend_instance_id": 7, "dp_rank": 3, "token_data": [1, 2]}})
+        );
+        // A prompt of ids, parsed apart from the fields, is given back.
+        let ids = json!({"model": "m", "stream": true, "nvext": null});
+        assert_eq!(
+            body_of(&ids, &[5, 6, 7], true),
+            json!({"model": "m", "stream": true, "prompt": [5, 6, 7],
+                "nvext": {"backend_instance_id": 7, "dp_rank": 3, "token_data": [5, 6, 7]}})
+        );
+        // A chat request: no prompt added.
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "q"}]});
+        assert_eq!(
+            body_of(&chat, &[4], false),
+            json!({"model": "m", "messages": [{"role": "user", "content": "q"}],
+                "nvext": {"backend_instance_id": 7, "dp_rank": 3, "token_data": [4]}})
+        );
     }
 }
