@@ -859,8 +859,9 @@ fn run_openai(
                     .name("kvbench-client".into())
                     .spawn(move || {
                         while let Ok((i, r)) = queue.recv() {
-                            let answer =
-                                client.complete(i, &r.tokens(), r.output_length.max(1), start);
+                            // The ids go as soon as the body is made, the body once sent.
+                            let answer = openai::Client::body(&r.tokens(), r.output_length.max(1))
+                                .and_then(|body| client.complete(i, body, start));
                             let _ = tx.send((i, answer));
                             idle.fetch_add(1, Ordering::Relaxed);
                         }

@@ -212,6 +212,13 @@ fn engine_conn(
         let prompt_tokens = req.prompt.len() as u32;
         let output = req.max_tokens.unwrap_or(16).max(1);
         let blocks = blocks_of(&req.prompt, block_size);
+        // Not needed while the answer streams (megabytes for an agentic prompt).
+        drop(body);
+        let CompletionBody {
+            stream,
+            stream_options,
+            ..
+        } = req;
         let (tx, rx) = flume::unbounded();
         let job = HttpJob {
             request: EngineRequest::new(id, prompt_tokens, output, blocks),
@@ -234,7 +241,7 @@ fn engine_conn(
             })
         };
         let cmpl = format!("cmpl-{id}");
-        if req.stream {
+        if stream {
             write!(
                 w,
                 "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -251,7 +258,7 @@ fn engine_conn(
                 chunk(&mut w, &format!("data: {event}\n\n"))?;
                 w.flush()?;
             }
-            if req.stream_options.unwrap_or_default().include_usage {
+            if stream_options.unwrap_or_default().include_usage {
                 let event = serde_json::json!({
                     "id": cmpl, "object": "text_completion", "model": MODEL,
                     "choices": [], "usage": usage(generated, cached),
@@ -351,15 +358,8 @@ impl Client {
         }
     }
 
-    /// Sends one streaming completion of `tokens` asking for `max_tokens`, and reads its
-    /// answer; `start` is the run's time origin.
-    pub fn complete(
-        &self,
-        index: usize,
-        tokens: &[u32],
-        max_tokens: u32,
-        start: Instant,
-    ) -> anyhow::Result<Answer> {
+    /// The body of a streaming completion of `tokens` asking for `max_tokens`.
+    pub fn body(tokens: &[u32], max_tokens: u32) -> anyhow::Result<Vec<u8>> {
         // Serialised from the slice: a `json!` value would first build one `Value` per
         // token (29 MB for a 900 k-token agentic prompt).
         #[derive(serde::Serialize)]
@@ -374,7 +374,7 @@ impl Client {
             stream: bool,
             stream_options: Usage,
         }
-        let body = serde_json::to_vec(&Completion {
+        Ok(serde_json::to_vec(&Completion {
             model: MODEL,
             prompt: tokens,
             max_tokens,
@@ -382,12 +382,19 @@ impl Client {
             stream_options: Usage {
                 include_usage: true,
             },
-        })?;
+        })?)
+    }
+
+    /// Sends one request of [`Client::body`] and reads its answer; `start` is the run's
+    /// time origin. The body is dropped once sent: a request in flight holds only its
+    /// answer's buffers, not megabytes of prompt.
+    pub fn complete(&self, index: usize, body: Vec<u8>, start: Instant) -> anyhow::Result<Answer> {
         let head = format!(
             "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
             body.len()
         );
         let (mut conn, first) = self.send(head.as_bytes(), &body)?;
+        drop(body);
         let mut stream = SseReader::new(&mut conn);
         stream.buf = first;
         let status = stream.head().with_context(|| format!("request {index}"))?;

@@ -393,6 +393,10 @@ impl Front {
                     last_error = format!("worker {} answered {}", d.worker, resp.status());
                 }
                 Ok((resp, conn)) => {
+                    // No retry once the engine answered: the body and the prompt's ids and
+                    // hashes go now, not when the stream ends (an agentic prompt's are
+                    // about 10 MB, held for its whole generation).
+                    drop((upstream_body, body, json, tokens, locals));
                     let life = Life::new(Rc::clone(self), d.request_id.clone(), started, inflight);
                     return self.answer(resp, conn, d, life, stream).await;
                 }
