@@ -374,7 +374,7 @@ impl ProxyStats {
         self.tokenize.render(
             out,
             "kvrouter_proxy_tokenize_seconds",
-            "Chat template and tokenizer, per request.",
+            "Preparing a request: parsing its body, chat template and tokenizer.",
         );
         self.render_pieces(out);
     }
