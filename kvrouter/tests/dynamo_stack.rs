@@ -694,6 +694,38 @@ fn kvrouter_in_front_of_dynamos_direct_mode_lands_every_request_where_it_chose()
         "{predicted_exactly}/{}",
         load.len()
     );
+
+    // A completion whose prompt is token ids: kvrouter parses them as ids and writes the
+    // body for the frontend from them (the prompt given back, the ids in nvext). The
+    // engine prefills exactly those ids, on the rank kvrouter chose, and the second of
+    // two equal prompts finds the first's blocks there.
+    let ids: Vec<u32> = (0..96u32).map(|i| 100 + (i * 37) % 4000).collect();
+    let body = json!({"model": "tiny", "max_tokens": 4, "prompt": ids}).to_string();
+    let mut chose = Vec::new();
+    for turn in 0..2 {
+        let before = last_events(&a);
+        let r = http_response(&openai, "POST", "/v1/completions", &body, &json_header);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let h = |name: &str| -> u64 {
+            r.header(name)
+                .unwrap_or_else(|| panic!("no {name}"))
+                .parse()
+                .unwrap()
+        };
+        let chosen = (h("x-kvrouter-worker-id"), h("x-kvrouter-dp-rank"));
+        let (cached, prompt) = usage(&r.body);
+        assert_eq!(prompt, ids.len() as u64, "the engine's prompt: {}", r.body);
+        if turn == 0 {
+            assert_eq!(quiet(&before), [chosen], "the first turn's blocks");
+        } else {
+            assert_eq!(
+                chosen, chose[0],
+                "the second turn goes where its blocks are"
+            );
+            assert!(cached >= 80, "cached {cached} of {prompt}: {}", r.body);
+        }
+        chose.push(chosen);
+    }
     let _ = std::fs::remove_dir_all(&root);
 }
 
