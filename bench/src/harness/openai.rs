@@ -91,7 +91,7 @@ struct CompletionBody {
     stream_options: Option<StreamOptions>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
@@ -212,13 +212,10 @@ fn engine_conn(
         let prompt_tokens = req.prompt.len() as u32;
         let output = req.max_tokens.unwrap_or(16).max(1);
         let blocks = blocks_of(&req.prompt, block_size);
+        let stream = req.stream;
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         // Not needed while the answer streams (megabytes for an agentic prompt).
-        drop(body);
-        let CompletionBody {
-            stream,
-            stream_options,
-            ..
-        } = req;
+        drop((body, req));
         let (tx, rx) = flume::unbounded();
         let job = HttpJob {
             request: EngineRequest::new(id, prompt_tokens, output, blocks),
@@ -258,7 +255,7 @@ fn engine_conn(
                 chunk(&mut w, &format!("data: {event}\n\n"))?;
                 w.flush()?;
             }
-            if stream_options.unwrap_or_default().include_usage {
+            if include_usage {
                 let event = serde_json::json!({
                     "id": cmpl, "object": "text_completion", "model": MODEL,
                     "choices": [], "usage": usage(generated, cached),
