@@ -194,7 +194,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// `parse` agrees with a plain `Value` parse: the fields and the ids together are the
+    /// `parse_request` agrees with a plain `Value` parse: the fields and the ids together are the
     /// object, and ids are taken exactly when `prompt` is an array of `u32`s.
     fn agrees(body: &str) {
         let value: Json = serde_json::from_str(body).unwrap();
