@@ -859,9 +859,8 @@ fn run_openai(
                     .name("kvbench-client".into())
                     .spawn(move || {
                         while let Ok((i, r)) = queue.recv() {
-                            // The ids go as soon as the body is made, the body once sent.
-                            let answer = openai::Client::body(&r.tokens(), r.output_length.max(1))
-                                .and_then(|body| client.complete(i, body, start));
+                            let ids = || r.token_ids();
+                            let answer = client.complete(i, ids, r.output_length.max(1), start);
                             let _ = tx.send((i, answer));
                             idle.fetch_add(1, Ordering::Relaxed);
                         }
@@ -878,8 +877,16 @@ fn run_openai(
         };
         match rx.recv_timeout(Duration::from_secs_f64(wait / 1000.0)) {
             Ok((i, answer)) => {
-                let a =
-                    answer.with_context(|| format!("{} over the OpenAI front", policy.name()))?;
+                // How many were in flight says whether the host kept up (an overloaded
+                // front answers 408 to bodies its executor did not read in time).
+                let a = answer.with_context(|| {
+                    format!(
+                        "{} over the OpenAI front, {} requests in flight, {:.0} s into the run",
+                        policy.name(),
+                        next - completed,
+                        now_ms() / 1000.0
+                    )
+                })?;
                 anyhow::ensure!(
                     a.worker < n,
                     "the front chose unknown worker {}",

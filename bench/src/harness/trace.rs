@@ -31,15 +31,19 @@ impl TraceRequest {
     /// Synthetic prompt token ids (`input_length` of them).
     pub fn tokens(&self) -> Vec<u32> {
         let mut t = Vec::with_capacity(self.input_length as usize);
-        'outer: for &id in &self.hash_ids {
-            for j in 0..512u64 {
-                if t.len() == self.input_length as usize {
-                    break 'outer;
-                }
-                t.push((id.wrapping_mul(512).wrapping_add(j) & 0x7fff_ffff) as u32);
-            }
-        }
+        t.extend(self.token_ids());
         t
+    }
+
+    /// The ids of [`TraceRequest::tokens`], made one at a time.
+    pub fn token_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.hash_ids
+            .iter()
+            .flat_map(|&id| {
+                (0..512u64)
+                    .map(move |j| (id.wrapping_mul(512).wrapping_add(j) & 0x7fff_ffff) as u32)
+            })
+            .take(self.input_length as usize)
     }
 }
 
