@@ -68,6 +68,9 @@ def main():
         workers = sorted({r["worker"] for r in rs})
         tail = sorted(rs, key=lambda r: r["ttft"])[-max(1, len(rs) // 100):]
         own, least, mean, over = [], [], [], 0
+        # Behind a long prefill: one request on the same worker still had over 5 s to its
+        # first token (engines give each step's budget to running prefills first).
+        behind, behind_uncached, behind_largest = 0, [], []
         per_worker = defaultdict(int)
         for r in tail:
             t = r["arrival"]
@@ -80,6 +83,18 @@ def main():
                 elif o["admitted"] <= t < o["first"]:
                     ahead[o["worker"]] += o["first"] - t
             own.append(ahead[r["worker"]])
+            blocking = [
+                o
+                for o in rs
+                if o is not r
+                and o["worker"] == r["worker"]
+                and o["arrival"] <= t < o["first"]
+                and o["first"] - t > 5000
+            ]
+            if blocking:
+                behind += 1
+                behind_uncached.append(r["uncached"])
+                behind_largest.append(max(o["uncached"] for o in blocking))
             least.append(min(v for w, v in ahead.items() if w != r["worker"]))
             mean.append(sum(ahead.values()) / len(workers))
             per_worker[r["worker"]] += 1
@@ -99,6 +114,12 @@ def main():
             f"  prefill ahead at arrival (medians): own worker {s(st.median(own))},"
             f" least loaded other {s(st.median(least))}, fleet mean {s(st.median(mean))}"
         )
+        if behind:
+            print(
+                f"  {behind} arrived behind a request on their worker with over 5 s to its first"
+                f" token (medians: its uncached prompt {st.median(behind_largest) / 1000:.0f} k,"
+                f" theirs {st.median(behind_uncached) / 1000:.0f} k)"
+            )
         if bound is not None:
             print(
                 f"  half of dynamo's p99 {s(bound)}: fleet mean ahead + own prefill over it"

@@ -103,6 +103,15 @@
 //! 31.9 s; its first 6,000 requests at speed 1 34.9 s → 38.0 s p99, above the approximate
 //! mode's 37.2 s).
 //!
+//! **What neither formula sees yet.** On the agentic trace most of our slowest 1 % are a
+//! session's next turn, its prompt all but cached, arriving on its worker just after
+//! another session's new prompt of several hundred thousand tokens started there.
+//! Engines give each step's token budget to the running prefills first (vLLM v1 does), so
+//! the cached turn waits for that whole prefill. Moving the turn recomputes its prompt,
+//! which the block formula rightly prices above most of the wait; the lever is where the
+//! long new prompt goes, and a cost built from the request's own queue and cache cannot
+//! see the sessions, idle between turns, that it will hold up (docs/HARNESS.md).
+//!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not
 //! need them: for each candidate, the predicted TTFT there (the wait until the prefill

@@ -79,6 +79,11 @@ pub(crate) struct BenchArgs {
     /// (0: off).
     #[arg(long, default_value_t = CostConfig::default().saturation_weight)]
     saturation_weight: f64,
+    /// Our policies' busy threshold: a worker whose active blocks (those of every request
+    /// routed to it and not yet freed) exceed this is left out while another is not, as
+    /// `kvrouter serve --max-active-decode-blocks`. Absent: none.
+    #[arg(long)]
+    max_active_decode_blocks: Option<u64>,
     /// kv-aware and kv-aware-p2c also remember their own decisions this long, seconds,
     /// and credit a worker with the longer of the index's prefix and the remembered one
     /// (0: off; `kvrouter serve --remember-decisions-secs`).
@@ -175,10 +180,12 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             temperature: args.temperature,
             credit_inflight: args.credit_inflight,
             saturation_weight: args.saturation_weight,
+            max_active_decode_blocks: args.max_active_decode_blocks,
             ..CostConfig::default()
         },
         time: CostConfig {
             decode_delay_weight: args.decode_delay_weight,
+            max_active_decode_blocks: args.max_active_decode_blocks,
             credit_inflight: args.time_credit_inflight,
             shared_cache_multiplier: args.shared_cache_multiplier,
             ..CostConfig::time()

@@ -374,6 +374,9 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         "--decode-delay-weight".to_owned(),
         c.decode_delay_weight.to_string(),
     ]);
+    if let Some(m) = c.max_active_decode_blocks {
+        a.extend(["--max-active-decode-blocks".to_owned(), m.to_string()]);
+    }
     if matches!(policy, Policy::KvAware | Policy::KvAwareP2c) && cfg.sim.remember_ms > 0 {
         a.extend([
             "--remember-decisions-secs".to_owned(),
@@ -978,5 +981,17 @@ mod tests {
         assert_eq!(value(&r, "--remember-decisions-secs"), Some("600"));
         let r = router_args(&remembering, "ns", Policy::Dynamo);
         assert_eq!(value(&r, "--remember-decisions-secs"), None);
+        // A busy threshold reaches our policies' routers, not Dynamo's.
+        assert_eq!(value(&ours, "--max-active-decode-blocks"), None);
+        let mut sim = SimConfig::default();
+        sim.cost.max_active_decode_blocks = Some(50_000);
+        sim.time.max_active_decode_blocks = Some(50_000);
+        let busy = NetConfig { sim, ..cfg };
+        for p in [Policy::KvAware, Policy::KvTime, Policy::Approximate] {
+            let a = router_args(&busy, "ns", p);
+            assert_eq!(value(&a, "--max-active-decode-blocks"), Some("50000"));
+        }
+        let d = router_args(&busy, "ns", Policy::Dynamo);
+        assert_eq!(value(&d, "--max-active-decode-blocks"), None);
     }
 }
