@@ -331,7 +331,8 @@ impl Client {
 
     /// Writes the request on a pooled connection and reads the first answer bytes. When
     /// the pooled connection turns out to be closed (the front closes idle connections)
-    /// before any answer byte, the request is written again on a new one.
+    /// before any answer byte, the request is written again on a new one. A front that
+    /// only fails to answer in time is not asked twice: it may be serving the first.
     fn send<I: Iterator<Item = u32>>(
         &self,
         request: &Request<'_, I>,
@@ -345,14 +346,21 @@ impl Client {
         });
         match first {
             Ok(first) if !first.is_empty() => Ok((conn, first)),
-            Ok(_) | Err(_) if pooled => {
-                let (mut conn, _) = self.connection(false)?;
-                request.write_to(&mut conn)?;
-                Ok((conn, Vec::new()))
-            }
+            Ok(_) if pooled => self.resend(request),
+            Err(e) if pooled && closed(&e) => self.resend(request),
             Ok(_) => bail!("the front closed a new connection without answering"),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e).context("no answer from the front"),
         }
+    }
+
+    /// [`Client::send`] again on a new connection.
+    fn resend<I: Iterator<Item = u32>>(
+        &self,
+        request: &Request<'_, I>,
+    ) -> anyhow::Result<(TcpStream, Vec<u8>)> {
+        let (mut conn, _) = self.connection(false)?;
+        request.write_to(&mut conn)?;
+        Ok((conn, Vec::new()))
     }
 
     /// Sends a streaming completion of the prompt `ids` gives (called once to size the
@@ -556,6 +564,15 @@ impl<'a> SseReader<'a> {
     }
 }
 
+/// Whether `e` says the peer closed the connection (not that it was slow).
+fn closed(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected | UnexpectedEof
+    )
+}
+
 /// A streaming completion request: the prompt's ids and the tokens asked for.
 struct Request<'a, I> {
     ids: &'a dyn Fn() -> I,
@@ -673,5 +690,39 @@ mod tests {
         for (body, p) in bodies.iter().zip(prompts) {
             check_body(body, p, 2);
         }
+    }
+
+    /// A kept-alive connection whose front does not answer in time: the request fails
+    /// and is not sent a second time (the front may be serving the first).
+    #[test]
+    fn a_request_the_front_is_slow_to_answer_is_not_sent_twice() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (done, finished) = flume::bounded::<()>(1);
+        let front = std::thread::spawn(move || {
+            let (conn, _) = listener.accept().unwrap();
+            let mut r = BufReader::new(conn.try_clone().unwrap());
+            let mut w = conn;
+            read_one(&mut r);
+            answer(&mut w);
+            read_one(&mut r);
+            // No answer to the second request until the client has given up on it.
+            finished.recv().unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let again = listener.accept();
+            assert!(
+                again
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+                "{again:?}"
+            );
+        });
+        let client = Client::new(addr, Duration::from_millis(300));
+        let start = Instant::now();
+        client.complete(0, || [1u32].into_iter(), 1, start).unwrap();
+        let slow = client.complete(1, || [2u32].into_iter(), 1, start);
+        assert!(slow.is_err());
+        done.send(()).unwrap();
+        front.join().unwrap();
     }
 }
