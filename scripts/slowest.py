@@ -1,35 +1,24 @@
 #!/usr/bin/env python3
 """What the slowest 1 % of requests waited for, from `kvrouter bench --outcomes F`.
 
-    python3 scripts/slowest.py F [--speedup S] [--policies a,b]
+    python3 scripts/slowest.py F [--block-size N] [--policies a,b]   # N as given to the bench
 
 Per speed and policy: the p99 TTFT; for the slowest 1 % their prompt and uncached tokens,
-their own prefill alone on an idle engine (the harness engine's default constants, divided
-by `--speedup`, as `--engine-speedup`), their wait for admission, and the prefill already
-ahead of them when they arrived: on their own worker, on the least loaded other worker,
-and on the fleet's mean worker (what a perfect balance of the same work would leave).
-"Ahead" is the own prefill of each request waiting there, plus what is left of each one
-prefilling (its first token less the arrival). Where the run has `dynamo` at that speed,
-it also counts the slowest requests that no placement could bring under half of Dynamo's
-p99: the fleet's mean prefill ahead plus their own prefill is already over it.
+their own prefill alone on an idle engine (the CSV's `alone_ms`, from the harness engine's
+own model), their wait for admission, and the prefill already ahead of them when they
+arrived: on their own worker, on the least loaded other worker, and on the fleet's mean
+worker (what a perfect balance of the same work would leave). "Ahead" is the own prefill
+of each request waiting there, plus what is left of each one prefilling (its first token
+less the arrival). Where the run has `dynamo` at that speed, it also counts the slowest
+requests that no placement could bring under half of Dynamo's p99: the fleet's mean
+prefill ahead plus their own prefill is already over it. Needs an in-process run (the
+networked modes do not know when the engine admitted a request).
 """
 import argparse
 import csv
 import math
 import statistics as st
 from collections import defaultdict
-
-# bench/src/harness/engine.rs, EngineConfig::default()
-A, B, C, DECODE_BASE, BUDGET, BLOCK = 2e-6, 0.12, 10.0, 15.0, 8192, 64
-
-
-def alone_ms(tokens, speedup):
-    """EngineConfig::ttft_floor_ms: `tokens` prefilled alone on an idle engine."""
-    if tokens <= 0:
-        return DECODE_BASE / speedup
-    fixed = C + DECODE_BASE
-    k = max(tokens * math.sqrt(A / fixed), max(1.0, math.ceil(tokens / BUDGET)))
-    return (k * fixed + B * tokens + A * tokens * tokens / k) / speedup
 
 
 def p99(values):
@@ -40,7 +29,7 @@ def p99(values):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("outcomes")
-    ap.add_argument("--speedup", type=float, default=1.0)
+    ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--policies", default="")
     args = ap.parse_args()
     runs = defaultdict(list)
@@ -53,7 +42,8 @@ def main():
                     admitted=float(r["admitted_ms"]),
                     first=float(r["first_ms"]),
                     tokens=int(r["input_tokens"]),
-                    uncached=int(r["input_tokens"]) - int(r["cached_blocks"]) * BLOCK,
+                    uncached=int(r["input_tokens"]) - int(r["cached_blocks"]) * args.block_size,
+                    alone=float(r["alone_ms"]),
                 )
             )
     wanted = set(filter(None, args.policies.split(",")))
@@ -62,7 +52,6 @@ def main():
             continue
         for r in rs:
             r["ttft"] = r["first"] - r["arrival"]
-            r["alone"] = alone_ms(r["uncached"], args.speedup)
         dynamo = runs.get((speed, "dynamo"))
         bound = p99(r["first"] - r["arrival"] for r in dynamo) / 2 if dynamo else None
         workers = sorted({r["worker"] for r in rs})

@@ -279,7 +279,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         eprintln!("wrote {}", p.display());
     }
     if let Some(p) = &args.outcomes {
-        harness::write_outcomes_csv(p, &speeds, &runs)?;
+        harness::write_outcomes_csv(p, &speeds, &runs, &cfg.engine)?;
         eprintln!("wrote {}", p.display());
     }
     if let Some(p) = &args.plot {

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use super::engine::EngineConfig;
 use super::sim::Ideals;
 
 /// Mean and percentiles of one latency, ms.
@@ -534,19 +535,22 @@ pub fn write_json(path: &Path, reports: &[PolicyReport]) -> anyhow::Result<()> {
 }
 
 /// Writes every request's outcome of every run as CSV, one line per request and policy:
-/// `speed,policy,request,worker,arrival_ms,admitted_ms,first_ms,done_ms,input_tokens,cached_blocks`
+/// `speed,policy,request,worker,arrival_ms,admitted_ms,first_ms,done_ms,input_tokens,cached_blocks,alone_ms`
 /// (times in ms on the replay's clock; an empty field where the run does not know).
+/// `alone_ms` is what the request's uncached tokens take alone on an idle `engine`
+/// ([`EngineConfig::ttft_floor_ms`]).
 pub fn write_outcomes_csv(
     path: &Path,
     speeds: &[f64],
     runs: &[Vec<PolicyReport>],
+    engine: &EngineConfig,
 ) -> anyhow::Result<()> {
     use std::io::Write as _;
     let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(
         w,
         "speed,policy,request,worker,arrival_ms,admitted_ms,first_ms,done_ms,input_tokens,\
-         cached_blocks"
+         cached_blocks,alone_ms"
     )?;
     let opt = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.3}"));
     for (speed, reports) in speeds.iter().zip(runs) {
@@ -554,7 +558,7 @@ pub fn write_outcomes_csv(
             for o in &r.outcomes {
                 writeln!(
                     w,
-                    "{speed},{},{},{},{:.3},{},{},{},{},{}",
+                    "{speed},{},{},{},{:.3},{},{},{},{},{},{}",
                     r.policy,
                     o.request,
                     o.worker,
@@ -564,6 +568,11 @@ pub fn write_outcomes_csv(
                     opt(o.done),
                     o.input_tokens,
                     o.cached_blocks.map_or_else(String::new, |c| c.to_string()),
+                    opt(o.cached_blocks.map(|c| {
+                        let cached = c.saturating_mul(u64::from(engine.block_size));
+                        let uncached = u64::from(o.input_tokens).saturating_sub(cached);
+                        engine.ttft_floor_ms(uncached as u32)
+                    })),
                 )?;
             }
         }

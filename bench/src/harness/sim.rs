@@ -799,14 +799,28 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvrouter-outcomes-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("o.csv");
-        super::super::report::write_outcomes_csv(&path, &[1.0], &[vec![r]]).unwrap();
+        // The last field: the request's uncached tokens alone on an idle engine.
+        let alone: Vec<f64> = r
+            .outcomes
+            .iter()
+            .map(|o| {
+                let cached = o.cached_blocks.unwrap() * u64::from(cfg.engine.block_size);
+                cfg.engine
+                    .ttft_floor_ms((u64::from(o.input_tokens) - cached) as u32)
+            })
+            .collect();
+        super::super::report::write_outcomes_csv(&path, &[1.0], &[vec![r]], &cfg.engine).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), trace.len() + 1);
         assert!(lines[0].starts_with("speed,policy,request,worker,arrival_ms,admitted_ms"));
         assert!(lines[1].starts_with("1,kv-aware,0,"), "{}", lines[1]);
-        assert!(lines.iter().all(|l| l.split(',').count() == 10));
+        assert!(lines.iter().all(|l| l.split(',').count() == 11));
+        for (line, want) in lines[1..].iter().zip(alone) {
+            let field: f64 = line.rsplit(',').next().unwrap().parse().unwrap();
+            assert!((field - want).abs() < 1e-3, "{line}: {want}");
+        }
     }
 
     #[test]
