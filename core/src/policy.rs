@@ -103,8 +103,9 @@
 //! 31.9 s; its first 6,000 requests at speed 1 34.9 s → 38.0 s p99, above the approximate
 //! mode's 37.2 s).
 //!
-//! **What neither formula sees yet.** On the agentic trace most of our slowest 1 % are a
-//! session's next turn, its prompt all but cached, arriving on its worker just after
+//! **What neither formula sees yet.** On the agentic trace about half of our slowest 1 %
+//! at speed 1 (a third at speed 0.3) are a session's next turn, its prompt all but
+//! cached, arriving on its worker just after
 //! another session's new prompt of several hundred thousand tokens started there.
 //! Engines give each step's token budget to the running prefills first (vLLM v1 does), so
 //! the cached turn waits for that whole prefill. Moving the turn recomputes its prompt,
