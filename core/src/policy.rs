@@ -111,7 +111,12 @@
 //! the cached turn waits for that whole prefill. Moving the turn recomputes its prompt,
 //! which the block formula rightly prices above most of the wait; the lever is where the
 //! long new prompt goes, and a cost built from the request's own queue and cache cannot
-//! see the sessions, idle between turns, that it will hold up (docs/HARNESS.md).
+//! see the sessions, idle between turns, that it will hold up (docs/HARNESS.md). The
+//! engine can remove that wait itself: with vLLM's `long_prefill_token_threshold` the
+//! cached turn starts beside the long prefill, and in the harness our p99 at light load
+//! falls by a quarter or more; under load the same cap lets a turn start before its
+//! session's previous prompt has finished prefilling, and it recomputes the rest
+//! (docs/BENCHMARKS.md, "Why, cell by cell").
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not

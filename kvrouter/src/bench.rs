@@ -344,6 +344,11 @@ pub(crate) struct EngineFlags {
     /// Token budget of one engine step (chunked prefill).
     #[arg(long, default_value_t = EngineConfig::default().max_batch_tokens)]
     max_batch_tokens: u32,
+    /// Most prefill tokens one request gets in a step (0: no cap): vLLM's
+    /// `--long-prefill-token-threshold`. A long prompt then prefills beside the requests
+    /// behind it instead of holding the whole step's budget until it ends.
+    #[arg(long, default_value_t = EngineConfig::default().long_prefill_token_threshold)]
+    long_prefill_token_threshold: u32,
     /// Divides every engine duration (a faster GPU).
     #[arg(long, default_value_t = 1.0)]
     engine_speedup: f64,
@@ -379,6 +384,7 @@ impl EngineFlags {
             block_size: self.block_size,
             capacity_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
             speedup: self.engine_speedup,
             host_capacity_blocks: self.host_blocks,
             onload_ms_per_block: self.copy_ms_per_block(self.host_gbps),

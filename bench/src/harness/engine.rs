@@ -10,7 +10,8 @@
 //!   carries them) and take no blocks.
 //! * **Continuous batching with chunked prefill**, as vLLM v1 schedules: each step runs one
 //!   decode token for every running request past its prefill, plus prefill chunks of the
-//!   others in arrival order, up to `max_batch_tokens` tokens in all. A waiting request is
+//!   others in arrival order, up to `max_batch_tokens` tokens in all (and, with
+//!   `long_prefill_token_threshold`, at most that many to any one request). A waiting request is
 //!   admitted only with budget left over, and looks its prefix up then: it finds every
 //!   block of the prefills scheduled ahead of it, since vLLM caches a chunk's blocks when it
 //!   schedules the chunk. So a request that shares a prefix with one still prefilling
@@ -55,6 +56,11 @@ pub struct EngineConfig {
     pub max_batch_tokens: u32,
     /// Most requests in the running batch.
     pub max_running: usize,
+    /// Most prefill tokens one request gets in a step (0: no cap, vLLM v1's default).
+    /// vLLM's `long_prefill_token_threshold`: with it a long prefill leaves the rest of
+    /// the step's budget to the prefills behind it and to waiting requests, which then
+    /// start beside it rather than after it.
+    pub long_prefill_token_threshold: u32,
     /// Prefill time, quadratic term (ms per token²).
     pub prefill_a: f64,
     /// Prefill time, linear term (ms per token).
@@ -84,6 +90,7 @@ impl Default for EngineConfig {
             capacity_blocks: 65_536,
             max_batch_tokens: 8192,
             max_running: 256,
+            long_prefill_token_threshold: 0,
             prefill_a: 2e-6,
             prefill_b: 0.12,
             prefill_c: 10.0,
@@ -113,10 +120,19 @@ impl EngineConfig {
 }
 
 impl EngineConfig {
+    /// The most prefill tokens one request gets in a step.
+    fn chunk_cap(&self) -> u32 {
+        match self.long_prefill_token_threshold {
+            0 => self.max_batch_tokens,
+            cap => cap.min(self.max_batch_tokens),
+        }
+    }
+
     /// A lower bound of the TTFT of a request that must prefill `tokens` tokens, ms: what
     /// it would take alone on an idle engine, in the best chunking. `k` steps cost
     /// `k·(prefill_c + decode_base) + prefill_b·n + prefill_a·n²/k` at best (equal chunks;
-    /// the KV term, ≥ 0, left out), minimised over real `k ≥ ⌈n / max_batch_tokens⌉`,
+    /// the KV term, ≥ 0, left out), minimised over real `k ≥ ⌈n / chunk⌉` (`chunk`: the step's budget, or
+    /// `long_prefill_token_threshold` when lower),
     /// which no integer chunking nor any queue can beat.
     pub fn ttft_floor_ms(&self, tokens: u32) -> f64 {
         let n = f64::from(tokens);
@@ -124,9 +140,7 @@ impl EngineConfig {
         if tokens == 0 {
             return self.decode_base / self.speedup;
         }
-        let fewest = (n / f64::from(self.max_batch_tokens.max(1)))
-            .ceil()
-            .max(1.0);
+        let fewest = (n / f64::from(self.chunk_cap().max(1))).ceil().max(1.0);
         let k = (n * (self.prefill_a / fixed).sqrt()).max(fewest);
         (k * fixed + self.prefill_b * n + self.prefill_a * n * n / k) / self.speedup
     }
@@ -849,8 +863,9 @@ impl Engine {
         prefill_tokens: &mut u32,
         out: &mut StepOutcome,
     ) {
+        let cap = self.cfg.chunk_cap();
         let r = &mut self.running[i];
-        let chunk = (r.input_tokens - r.prefilled).min(*budget);
+        let chunk = (r.input_tokens - r.prefilled).min(*budget).min(cap);
         r.prefilled += chunk;
         *budget -= chunk;
         *prefill_tokens += chunk;
@@ -999,6 +1014,53 @@ mod tests {
             ]
         );
         assert_eq!((e.hit_blocks, e.prompt_blocks), (62, 127));
+    }
+
+    #[test]
+    fn a_long_prefill_capped_per_step_lets_a_short_request_start_beside_it() {
+        // A: 400 tokens; B: 20 tokens of its own, submitted after A started. Uncapped, A
+        // takes each step's whole budget of 100 and B starts after A's last step; with
+        // `long_prefill_token_threshold` 40, A gets 40 tokens a step and B starts in the
+        // next step with the 60 left, its first token there too, as vLLM v1 schedules.
+        for (cap, b_first) in [(0, 4), (40, 1)] {
+            let cfg = EngineConfig {
+                long_prefill_token_threshold: cap,
+                ..small(200)
+            };
+            let mut e = Engine::new(1, cfg);
+            let a: Vec<u64> = (1..=100).collect();
+            e.submit(EngineRequest::new(0, 400, 2, chain(&a)));
+            let (_, first) = e.step().expect("running");
+            assert_eq!(first.admitted, vec![0]);
+            e.submit(EngineRequest::new(
+                1,
+                20,
+                2,
+                chain(&[500, 501, 502, 503, 504]),
+            ));
+            let mut step = 0;
+            let mut b_at = None;
+            let mut a_at = None;
+            while let Some((_, out)) = e.step() {
+                step += 1;
+                assert_in_use_counted(&e);
+                if out.first_tokens.contains(&1) {
+                    b_at.get_or_insert(step);
+                }
+                if out.first_tokens.contains(&0) {
+                    a_at.get_or_insert(step);
+                }
+            }
+            assert_eq!(b_at, Some(b_first), "cap {cap}");
+            // A's 400 tokens take 4 steps uncapped (3 after the first), 10 capped.
+            assert_eq!(a_at, Some(if cap == 0 { 3 } else { 9 }), "cap {cap}");
+        }
+        // The floor of a lone prefill respects the cap: at least ⌈n / cap⌉ steps.
+        let capped = EngineConfig {
+            long_prefill_token_threshold: 40,
+            ..small(200)
+        };
+        assert!(capped.ttft_floor_ms(400) >= 10.0 * (capped.prefill_c + capped.decode_base));
     }
 
     #[test]

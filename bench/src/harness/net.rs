@@ -463,6 +463,8 @@ fn spawn_engine(cfg: &NetConfig, ns: &str, index: usize) -> anyhow::Result<Reape
             &e.capacity_blocks.to_string(),
             "--max-batch-tokens",
             &e.max_batch_tokens.to_string(),
+            "--long-prefill-token-threshold",
+            &e.long_prefill_token_threshold.to_string(),
             "--engine-speedup",
             &e.speedup.to_string(),
         ])
