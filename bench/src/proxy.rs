@@ -1,12 +1,14 @@
 //! The OpenAI front's added latency and CPU cost per request.
 //!
 //! A mock engine that answers at once (ours, in this process: a streaming chat answer of one
-//! token and `[DONE]` the moment the request is read) serves an open-loop load of streaming
+//! token and `[DONE]` the moment the request is read; with `--max-tokens N`, N chunks of
+//! one token, `--itl-ms` apart) serves an open-loop load of streaming
 //! chat requests, first directly, then through `kvrouter serve --openai-listen` (the real
 //! binary, its own process: tokenisation with the model card, the routing decision, the
 //! relay). TTFT is from a request's send to the first `data:` bytes of its answer; the
 //! added latency is the proxied TTFT's percentile minus the direct one's. The kvrouter
-//! process's CPU time over the phase gives its CPU per request.
+//! process's CPU time over the phase gives its CPU per request, and per streamed chunk
+//! (the client counts the `data:` events of every answer).
 //!
 //! With `--dynamo-venv`, the same load goes to Dynamo 1.6.1's frontend (`--router-mode kv`)
 //! in front of its mocker with `--speedup-ratio 0` (no simulated delays), and the frontend
@@ -49,6 +51,13 @@ pub struct Phase {
     pub ttft_p99_us: f64,
     /// CPU milliseconds per request of the measured server process (none for `direct`).
     pub cpu_ms_per_request: Option<f64>,
+    /// Streamed chunks (`data:` events before `[DONE]`) the client received per answer.
+    pub chunks_per_request: f64,
+    /// Socket reads that brought the client an answer, per answer: as many as the chunks
+    /// when each came on its own, fewer when they arrived together.
+    pub reads_per_request: f64,
+    /// CPU microseconds of the measured server process per streamed chunk relayed.
+    pub cpu_us_per_chunk: Option<f64>,
 }
 
 /// Settings (the flags of `kvrouter-bench proxy`).
@@ -86,6 +95,16 @@ pub struct ProxyBench {
     /// Dynamo's venv (`../shared/dynamo/setup.sh`): measure its frontend too.
     #[arg(long)]
     pub dynamo_venv: Option<PathBuf>,
+    /// Tokens each request asks for (`max_tokens`): the mock engine streams that many
+    /// chunks of one token each before `[DONE]`, so the relay of long answers is measured
+    /// (1: one chunk, the routing and first-byte path alone).
+    #[arg(long, default_value_t = 1)]
+    pub max_tokens: u32,
+    /// The mock engine's pause between two chunks of an answer, ms (0: written back to
+    /// back, which lets the chunks of one answer reach the front together). Dynamo's
+    /// mocker keeps its own pace (none with `--speedup-ratio 0`).
+    #[arg(long, default_value_t = 0.0)]
+    pub itl_ms: f64,
 }
 
 /// CPU seconds (user + system) of process `pid` so far.
@@ -100,8 +119,16 @@ fn cpu_s(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// The mock engine: every request answered at once, keep-alive, a thread per connection.
-fn mock_engine(stop: Arc<AtomicBool>) -> anyhow::Result<String> {
+/// How the mock engine answers: `tokens` chunks of one token, `itl` apart.
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    tokens: u32,
+    itl: Duration,
+}
+
+/// The mock engine: every request answered at once (its first chunk as soon as it is
+/// read), keep-alive, a thread per connection.
+fn mock_engine(stop: Arc<AtomicBool>, answer: Answer) -> anyhow::Result<String> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?.to_string();
     std::thread::spawn(move || {
@@ -113,25 +140,29 @@ fn mock_engine(stop: Arc<AtomicBool>) -> anyhow::Result<String> {
             }
             let Ok(conn) = conn else { continue };
             std::thread::spawn(move || {
-                let _ = engine_conn(conn);
+                let _ = engine_conn(conn, answer);
             });
         }
     });
     Ok(addr)
 }
 
-fn engine_conn(conn: TcpStream) -> std::io::Result<()> {
+fn engine_conn(conn: TcpStream, answer: Answer) -> std::io::Result<()> {
     conn.set_nodelay(true)?;
     let mut r = BufReader::new(conn.try_clone()?);
     let mut w = conn;
     let chunk = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
-    let answer = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{}{}0\r\n\r\n",
-        chunk(
-            "data: {\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"model\":\"tiny\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"ok\"},\"finish_reason\":\"stop\"}]}\n\n"
-        ),
-        chunk("data: [DONE]\n\n"),
-    );
+    let event = |finish: &str| {
+        chunk(&format!(
+            "data: {{\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"model\":\"tiny\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"ok\"}},\"finish_reason\":{finish}}}]}}\n\n"
+        ))
+    };
+    let head =
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+    let (token, last) = (event("null"), event("\"stop\""));
+    let end = format!("{}0\r\n\r\n", chunk("data: [DONE]\n\n"));
+    // One token: the whole answer in one write, as before streams were measured.
+    let whole = format!("{head}{last}{end}");
     loop {
         let mut len = 0usize;
         let mut line = String::new();
@@ -152,37 +183,100 @@ fn engine_conn(conn: TcpStream) -> std::io::Result<()> {
         }
         let mut body = vec![0; len];
         r.read_exact(&mut body)?;
-        w.write_all(answer.as_bytes())?;
+        if answer.tokens <= 1 {
+            w.write_all(whole.as_bytes())?;
+            continue;
+        }
+        w.write_all(format!("{head}{token}").as_bytes())?;
+        for k in 1..answer.tokens {
+            if !answer.itl.is_zero() {
+                std::thread::sleep(answer.itl);
+            }
+            if k + 1 == answer.tokens {
+                w.write_all(format!("{last}{end}").as_bytes())?;
+            } else {
+                w.write_all(token.as_bytes())?;
+            }
+        }
     }
 }
 
-/// One streaming request on a keep-alive connection: TTFT, or why it failed.
-fn one(conn: &mut TcpStream, head: &[u8], body: &[u8], buf: &mut Vec<u8>) -> anyhow::Result<u64> {
+/// One streaming request on a keep-alive connection: its TTFT (ns), the chunks it
+/// streamed (`data:` events before `[DONE]`) and the socket reads that brought its answer
+/// (fewer reads than chunks: chunks arrived together), or why it failed.
+fn one(
+    conn: &mut TcpStream,
+    head: &[u8],
+    body: &[u8],
+    buf: &mut Vec<u8>,
+) -> anyhow::Result<(u64, u64, u64)> {
     let t = Instant::now();
     conn.write_all(head)?;
     conn.write_all(body)?;
     buf.clear();
     let mut ttft = None;
+    let mut body_at = None;
     let mut chunk = [0u8; 8192];
+    let mut reads = 0;
     loop {
         let n = conn.read(&mut chunk)?;
         anyhow::ensure!(n > 0, "connection closed mid-answer");
+        reads += 1;
         buf.extend_from_slice(&chunk[..n]);
-        let Some(end) = find(buf, b"\r\n\r\n") else {
-            continue;
+        let end = match body_at {
+            Some(end) => end,
+            None => {
+                let Some(end) = find(buf, b"\r\n\r\n") else {
+                    continue;
+                };
+                anyhow::ensure!(
+                    buf.starts_with(b"HTTP/1.1 200"),
+                    "status: {:?}",
+                    String::from_utf8_lossy(&buf[..buf.len().min(64)])
+                );
+                body_at = Some(end);
+                end
+            }
         };
-        anyhow::ensure!(
-            buf.starts_with(b"HTTP/1.1 200"),
-            "status: {:?}",
-            String::from_utf8_lossy(&buf[..buf.len().min(64)])
-        );
-        if ttft.is_none() && find(&buf[end..], b"data:").is_some() {
+        // The first byte of the body's first chunk (a relay may split an event across
+        // its chunks, so `data:` itself may not have arrived whole yet).
+        if ttft.is_none()
+            && find(&buf[end + 4..], b"\r\n").is_some_and(|line| buf.len() > end + 4 + line + 2)
+        {
             ttft = Some(t.elapsed().as_nanos() as u64);
         }
         if buf.ends_with(b"\r\n0\r\n\r\n") {
-            return ttft.context("an answer without data");
+            // Counted in the decoded body, for the same reason.
+            let sse = dechunk(&buf[end + 4..]).context("a malformed chunked body")?;
+            let events = count(&sse, b"data:");
+            let done = count(&sse, b"data: [DONE]");
+            return Ok((
+                ttft.context("an answer without data")?,
+                events - done,
+                reads,
+            ));
         }
     }
+}
+
+/// The payload of a whole chunked body (`None` when its framing is broken).
+fn dechunk(mut body: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(body.len());
+    loop {
+        let line = find(body, b"\r\n")?;
+        let size = std::str::from_utf8(&body[..line]).ok()?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        body = &body[line + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(body.get(..size)?);
+        body = body.get(size..)?.strip_prefix(b"\r\n")?;
+    }
+}
+
+fn count(hay: &[u8], needle: &[u8]) -> u64 {
+    hay.windows(needle.len()).filter(|w| *w == needle).count() as u64
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -196,15 +290,27 @@ type Bodies = Arc<Vec<(Vec<u8>, Vec<u8>)>>;
 /// its connection.
 type Sample = (u64, u64, usize);
 
+/// What a load measured: its samples (in no order), errors, late sends, the rate
+/// achieved, and the requests answered and chunks streamed, warm-up included.
+struct Measured {
+    samples: Vec<Sample>,
+    errors: u64,
+    late: u64,
+    rps: f64,
+    answered: u64,
+    chunks: u64,
+    reads: u64,
+}
+
 /// An open-loop load at `rate` on `connections` keep-alive connections to `addr`: one
-/// second of warm-up, then `seconds` measured. The samples come back in no order.
+/// second of warm-up, then `seconds` measured.
 fn load(
     addr: &str,
     rate: f64,
     seconds: f64,
     connections: usize,
     (bodies, first): (&Bodies, usize),
-) -> anyhow::Result<(Vec<Sample>, u64, u64, f64, u64)> {
+) -> anyhow::Result<Measured> {
     let warm = Duration::from_secs(1);
     let start = Instant::now() + Duration::from_millis(100);
     let total = warm + Duration::from_secs_f64(seconds);
@@ -212,17 +318,17 @@ fn load(
     let threads: Vec<_> = (0..connections)
         .map(|i| {
             let (addr, bodies) = (addr.to_owned(), Arc::clone(bodies));
-            std::thread::spawn(move || -> (Vec<Sample>, u64, u64, Instant, u64) {
+            std::thread::spawn(move || -> (Vec<Sample>, u64, u64, Instant, [u64; 3]) {
                 let (mut lat, mut errors, mut late) = (Vec::new(), 0u64, 0u64);
                 let mut conn = None;
                 let mut buf = Vec::new();
                 let mut k = 0u64;
-                let mut done = 0u64;
+                let (mut done, mut chunks, mut reads) = (0u64, 0u64, 0u64);
                 loop {
                     let at = start + Duration::from_secs_f64(i as f64 / rate + k as f64 * per);
                     k += 1;
                     if at >= start + total {
-                        return (lat, errors, late, Instant::now(), done);
+                        return (lat, errors, late, Instant::now(), [done, chunks, reads]);
                     }
                     let now = Instant::now();
                     if at > now {
@@ -244,8 +350,10 @@ fn load(
                     let at_body = first + i + (k as usize - 1) * connections;
                     let (head, body) = &bodies[at_body % bodies.len()];
                     match one(c, head, body, &mut buf) {
-                        Ok(t) => {
+                        Ok((t, n, r)) => {
                             done += 1;
+                            chunks += n;
+                            reads += r;
                             if at >= start + warm {
                                 lat.push(((at - start).as_micros() as u64, t, i));
                             }
@@ -263,14 +371,16 @@ fn load(
         .collect();
     let (mut lat, mut errors, mut late) = (Vec::new(), 0, 0);
     let mut last = start;
-    let mut all = 0u64;
+    let (mut all, mut all_chunks, mut all_reads) = (0u64, 0u64, 0u64);
     for t in threads {
-        let (l, e, s, end, d) = t
+        let (l, e, s, end, [d, c, r]) = t
             .join()
             .map_err(|_| anyhow::anyhow!("a client thread panicked"))?;
         lat.extend(l);
         last = last.max(end);
         all += d;
+        all_chunks += c;
+        all_reads += r;
         errors += e;
         late += s;
     }
@@ -280,16 +390,25 @@ fn load(
         .as_secs_f64()
         .max(seconds * 1e-3);
     let rps = lat.len() as f64 / window;
-    Ok((lat, errors, late, rps, all))
+    Ok(Measured {
+        samples: lat,
+        errors,
+        late,
+        rps,
+        answered: all,
+        chunks: all_chunks,
+        reads: all_reads,
+    })
 }
 
 fn phase(
     target: &'static str,
     rate: f64,
-    (mut samples, errors, late, rps, all): (Vec<Sample>, u64, u64, f64, u64),
+    m: Measured,
     cpu: Option<f64>,
     log: Option<&Path>,
 ) -> anyhow::Result<Phase> {
+    let mut samples = m.samples;
     samples.sort_unstable();
     if let Some(path) = log {
         write_samples(path, target, rate, &samples)
@@ -302,13 +421,16 @@ fn phase(
         target,
         rate,
         requests,
-        errors,
-        late,
-        achieved_rps: rps,
+        errors: m.errors,
+        late: m.late,
+        achieved_rps: m.rps,
         ttft_p50_us: percentile(&lat, 0.5) as f64 / 1e3,
         ttft_p99_us: percentile(&lat, 0.99) as f64 / 1e3,
         // The CPU time covers the warm-up too: divided by every request answered.
-        cpu_ms_per_request: cpu.map(|c| c * 1e3 / all.max(1) as f64),
+        cpu_ms_per_request: cpu.map(|c| c * 1e3 / m.answered.max(1) as f64),
+        chunks_per_request: m.chunks as f64 / m.answered.max(1) as f64,
+        reads_per_request: m.reads as f64 / m.answered.max(1) as f64,
+        cpu_us_per_chunk: cpu.map(|c| c * 1e6 / m.chunks.max(1) as f64),
     })
 }
 
@@ -328,7 +450,12 @@ fn write_samples(path: &Path, target: &str, rate: f64, samples: &[Sample]) -> st
 /// The requests the phases send, each with its HTTP head: one system prompt of `words`
 /// words, and a question of `question_words` words different in each of `n` bodies
 /// ("hello" in one body when 0).
-fn request_bodies(words: usize, question_words: usize, n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn request_bodies(
+    words: usize,
+    question_words: usize,
+    n: usize,
+    max_tokens: u32,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
     let system: String = (0..words).map(|i| format!("w{} ", i % 97)).collect();
     let n = if question_words == 0 { 1 } else { n };
     (0..n)
@@ -342,7 +469,7 @@ fn request_bodies(words: usize, question_words: usize, n: usize) -> Vec<(Vec<u8>
                     .collect()
             };
             let body = serde_json::to_vec(&serde_json::json!({
-                "model": "tiny", "stream": true, "max_tokens": 1,
+                "model": "tiny", "stream": true, "max_tokens": max_tokens,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
             }))
             .expect("json");
@@ -371,6 +498,7 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
         cfg.prompt_words,
         cfg.question_words,
         per_rate.iter().sum(),
+        cfg.max_tokens.max(1),
     ));
     let firsts: Vec<usize> = per_rate
         .iter()
@@ -381,7 +509,11 @@ pub fn run(cfg: &ProxyBench) -> anyhow::Result<Vec<Phase>> {
         })
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let engine = mock_engine(Arc::clone(&stop))?;
+    let answer = Answer {
+        tokens: cfg.max_tokens.max(1),
+        itl: Duration::from_secs_f64(cfg.itl_ms.max(0.0) / 1e3),
+    };
+    let engine = mock_engine(Arc::clone(&stop), answer)?;
     let openai = format!("127.0.0.1:{}", free_port()?);
     let kv = Reaped(
         Command::new(&cfg.kvrouter)
@@ -559,4 +691,45 @@ pub fn tokenisation(model: &Path, sizes: &[usize]) -> anyhow::Result<Vec<(usize,
         out.push((tokens, times[2] as f64 / 1e3));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_event_is_counted_once_in_the_decoded_body() {
+        // A relay re-chunked `data: {...}\n\n` mid-word: the raw bytes hold no whole
+        // `data:` for it; the decoded body does.
+        let body = b"2\r\nda\r\nf\r\nta: {\"a\":1}\n\nda\r\nc\r\nta: [DONE]\n\n\r\n0\r\n\r\n";
+        let sse = dechunk(body).expect("well framed");
+        assert_eq!(sse, b"data: {\"a\":1}\n\ndata: [DONE]\n\n".to_vec());
+        assert_eq!(
+            (count(&sse, b"data:"), count(&sse, b"data: [DONE]")),
+            (2, 1)
+        );
+        assert_eq!(dechunk(b"5\r\nab\r\n0\r\n\r\n"), None);
+        assert_eq!(dechunk(b"zz\r\n"), None);
+    }
+
+    #[test]
+    fn the_mock_engine_streams_the_tokens_asked_for() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let answer = Answer {
+            tokens: 7,
+            itl: Duration::from_millis(1),
+        };
+        let addr = mock_engine(Arc::clone(&stop), answer).expect("engine");
+        let (head, body) = request_bodies(3, 0, 1, 7).remove(0);
+        let mut conn = TcpStream::connect(&addr).expect("connect");
+        let mut buf = Vec::new();
+        for _ in 0..2 {
+            // Twice on one connection: keep-alive holds across streamed answers.
+            let (ttft, chunks, reads) = one(&mut conn, &head, &body, &mut buf).expect("answer");
+            assert!(ttft > 0);
+            assert_eq!(chunks, 7);
+            assert!((1..=8).contains(&reads), "{reads} reads");
+        }
+        stop.store(true, Ordering::Relaxed);
+    }
 }

@@ -536,7 +536,7 @@ fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result
         all.push(phases);
     }
     println!(
-        "OpenAI front, streaming chat, {} connections, system prompt of {} words, {}, median of {runs}:",
+        "OpenAI front, streaming chat, {} connections, system prompt of {} words, {}, {} tokens per answer{}, median of {runs}:",
         cfg.connections,
         cfg.prompt_words,
         if cfg.question_words == 0 {
@@ -546,7 +546,13 @@ fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result
                 "a different question of {} words in each",
                 cfg.question_words
             )
-        }
+        },
+        cfg.max_tokens.max(1),
+        if cfg.max_tokens > 1 && cfg.itl_ms > 0.0 {
+            format!(" {} ms apart", cfg.itl_ms)
+        } else {
+            String::new()
+        },
     );
     for (i, p) in all[0].iter().enumerate() {
         let med = |f: &dyn Fn(&kvrouter_bench::proxy::Phase) -> f64| {
@@ -578,10 +584,24 @@ fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result
                 String::new()
             },
             match p.cpu_ms_per_request {
+                Some(_) if cfg.max_tokens > 1 => format!(
+                    "; {:.1} chunks in {:.1} reads per answer; {:.3} ms CPU per request, {:.1} us per chunk",
+                    med(&|x| x.chunks_per_request),
+                    med(&|x| x.reads_per_request),
+                    med(&|x| x.cpu_ms_per_request.unwrap_or(f64::NAN)),
+                    med(&|x| x.cpu_us_per_chunk.unwrap_or(f64::NAN))
+                ),
                 Some(_) => format!(
                     "; {:.3} ms CPU per request",
                     med(&|x| x.cpu_ms_per_request.unwrap_or(f64::NAN))
                 ),
+                None if cfg.max_tokens > 1 => {
+                    format!(
+                        "; {:.1} chunks in {:.1} reads per answer",
+                        med(&|x| x.chunks_per_request),
+                        med(&|x| x.reads_per_request)
+                    )
+                }
                 None => String::new(),
             },
         );
