@@ -20,8 +20,6 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -832,7 +830,6 @@ fn run_openai(
     let router = spawn_router(cfg, ns, policy, &openai_args(policy, &card.0, port, ports))?;
     let addr = format!("127.0.0.1:{port}");
     wait_port(&addr, "the router's OpenAI front", Duration::from_secs(20))?;
-    let client = openai::Client::new(addr, cfg.stall_timeout);
     let block = u64::from(cfg.sim.engine.block_size);
     let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
     let (mut hit, mut prompt) = (0u64, 0u64);
@@ -840,39 +837,35 @@ fn run_openai(
     let t0 = trace.first().map_or(0, |r| r.timestamp) as f64;
     let arrival = |i: usize| (trace[i].timestamp as f64 - t0) / cfg.sim.speed;
     let (tx, rx) = flume::unbounded::<(usize, anyhow::Result<openai::Answer>)>();
-    // Client threads are reused: a thread per request made each one's allocator start
-    // from fresh pages, and zeroing them took most of the load generator's CPU (over a
-    // core on agentic prompts of megabytes, beside the router on two vCPUs). A request
-    // that finds no thread idle starts one, so none waits for another to finish.
+    // Every request is a task on one executor, started when it arrives: a thread each
+    // cost about 1.5 MB a request in flight (its stack and the pages its allocator kept),
+    // gigabytes when an overloaded front holds thousands, and a wake-up per token.
     let (jobs, queue) = flume::unbounded::<(usize, TraceRequest)>();
-    let idle = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
+    let timeout = cfg.stall_timeout;
+    let loadgen = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .name("kvbench-client")
+        .io_memory(512 << 10)
+        .spawn(move || async move {
+            let client = openai::Client::new(addr, timeout);
+            while let Ok((i, r)) = queue.recv_async().await {
+                let (client, tx) = (client.clone(), tx.clone());
+                glommio::spawn_local(async move {
+                    let ids = || r.token_ids();
+                    let answer = client.complete(i, ids, r.output_length.max(1), start).await;
+                    let _ = tx.send((i, answer));
+                })
+                .detach();
+            }
+        })
+        .map_err(|e| anyhow::anyhow!("starting the load generator's executor: {e}"))?;
     let now_ms = || start.elapsed().as_secs_f64() * 1000.0;
     while completed < trace.len() {
         let now = now_ms();
         if next < trace.len() && arrival(next) <= now {
-            let (i, r) = (next, trace[next].clone());
+            jobs.send((next, trace[next].clone()))
+                .context("the load generator stopped")?;
             next += 1;
-            // `idle` is a count only: the job itself reaches a thread through the channel,
-            // which orders it, so no ordering pairs with these updates.
-            let taken =
-                idle.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
-            if taken.is_err() {
-                let (client, tx, queue, idle) =
-                    (client.clone(), tx.clone(), queue.clone(), Arc::clone(&idle));
-                std::thread::Builder::new()
-                    .name("kvbench-client".into())
-                    .spawn(move || {
-                        while let Ok((i, r)) = queue.recv() {
-                            let ids = || r.token_ids();
-                            let answer = client.complete(i, ids, r.output_length.max(1), start);
-                            let _ = tx.send((i, answer));
-                            idle.fetch_add(1, Ordering::Relaxed);
-                        }
-                    })
-                    .context("starting a client thread")?;
-            }
-            jobs.send((i, r)).context("client threads stopped")?;
             continue;
         }
         let wait = if next < trace.len() {
@@ -916,11 +909,15 @@ fn run_openai(
                 }
             }
             Err(flume::RecvTimeoutError::Timeout) => {}
-            Err(flume::RecvTimeoutError::Disconnected) => bail!("client threads stopped"),
+            Err(flume::RecvTimeoutError::Disconnected) => bail!("the load generator stopped"),
         }
     }
     progress(completed);
     let span_s = now_ms() / 1000.0;
+    drop(jobs);
+    loadgen
+        .join()
+        .map_err(|e| anyhow::anyhow!("the load generator's executor: {e}"))?;
     drop(router);
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
     Ok(PolicyReport::from_outcomes(

@@ -15,19 +15,23 @@
 //!   away does not cancel the engine's work (the mock has no preemption).
 //! - **The router** serves a model card of its own (a one-word tokenizer: prompts are token
 //!   ids, never text) and every policy, the cache-blind ones too (`--router-mode`).
-//! - **The client**: a thread per request, started at its arrival time, on keep-alive
-//!   connections; TTFT is from sending to the first token chunk, ITL the mean gap between
+//! - **The client**: a task per request on one glommio executor (the load generator's),
+//!   started at its arrival time, on keep-alive connections; TTFT is from sending to the first token chunk, ITL the mean gap between
 //!   token chunks, the worker the one the front names in `x-kvrouter-worker-id`, and the
 //!   hits the engine's `cached_tokens`.
 
+use std::cell::RefCell;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
+use std::rc::Rc;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::TcpStream as GlommioStream;
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
@@ -299,11 +303,12 @@ pub struct Answer {
     pub cached_tokens: u64,
 }
 
-/// Keep-alive connections to the front, shared by the request threads.
+/// Keep-alive connections to the front, shared by the requests in flight: every request
+/// is a task on the load generator's executor ([`Client::complete`]).
 #[derive(Debug, Clone)]
 pub struct Client {
     addr: String,
-    idle: Arc<Mutex<Vec<TcpStream>>>,
+    idle: Rc<RefCell<Vec<GlommioStream>>>,
     timeout: Duration,
 }
 
@@ -312,20 +317,23 @@ impl Client {
     pub fn new(addr: String, timeout: Duration) -> Self {
         Self {
             addr,
-            idle: Arc::new(Mutex::new(Vec::new())),
+            idle: Rc::new(RefCell::new(Vec::new())),
             timeout,
         }
     }
 
     /// A pooled connection (`true`) or a new one.
-    fn connection(&self, pooled: bool) -> anyhow::Result<(TcpStream, bool)> {
-        if pooled && let Some(c) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+    async fn connection(&self, pooled: bool) -> anyhow::Result<(GlommioStream, bool)> {
+        if pooled && let Some(c) = self.idle.borrow_mut().pop() {
             return Ok((c, true));
         }
-        let c = TcpStream::connect(&self.addr)
+        let c = GlommioStream::connect(self.addr.as_str())
+            .await
+            .map_err(std::io::Error::from)
             .with_context(|| format!("connecting to the front at {}", self.addr))?;
-        c.set_nodelay(true)?;
-        c.set_read_timeout(Some(self.timeout))?;
+        c.set_nodelay(true).map_err(std::io::Error::from)?;
+        c.set_read_timeout(Some(self.timeout))
+            .map_err(std::io::Error::from)?;
         Ok((c, false))
     }
 
@@ -333,32 +341,34 @@ impl Client {
     /// the pooled connection turns out to be closed (the front closes idle connections)
     /// before any answer byte, the request is written again on a new one. A front that
     /// only fails to answer in time is not asked twice: it may be serving the first.
-    fn send<I: Iterator<Item = u32>>(
+    async fn send<I: Iterator<Item = u32>>(
         &self,
         request: &Request<'_, I>,
-    ) -> anyhow::Result<(TcpStream, Vec<u8>)> {
-        let (mut conn, pooled) = self.connection(true)?;
-        let first = request.write_to(&mut conn).and_then(|()| {
+    ) -> anyhow::Result<(GlommioStream, Vec<u8>)> {
+        let (mut conn, pooled) = self.connection(true).await?;
+        let first = async {
+            request.write_to(&mut conn).await?;
             let mut first = [0u8; 16 << 10];
-            let n = conn.read(&mut first)?;
-            Ok(first[..n].to_vec())
-        });
+            let n = conn.read(&mut first).await?;
+            Ok::<_, std::io::Error>(first[..n].to_vec())
+        }
+        .await;
         match first {
             Ok(first) if !first.is_empty() => Ok((conn, first)),
-            Ok(_) if pooled => self.resend(request),
-            Err(e) if pooled && closed(&e) => self.resend(request),
+            Ok(_) if pooled => self.resend(request).await,
+            Err(e) if pooled && closed(&e) => self.resend(request).await,
             Ok(_) => bail!("the front closed a new connection without answering"),
             Err(e) => Err(e).context("no answer from the front"),
         }
     }
 
     /// Writes the request again on a new connection; the caller reads its answer.
-    fn resend<I: Iterator<Item = u32>>(
+    async fn resend<I: Iterator<Item = u32>>(
         &self,
         request: &Request<'_, I>,
-    ) -> anyhow::Result<(TcpStream, Vec<u8>)> {
-        let (mut conn, _) = self.connection(false)?;
-        request.write_to(&mut conn)?;
+    ) -> anyhow::Result<(GlommioStream, Vec<u8>)> {
+        let (mut conn, _) = self.connection(false).await?;
+        request.write_to(&mut conn).await?;
         Ok((conn, Vec::new()))
     }
 
@@ -368,25 +378,31 @@ impl Client {
     ///
     /// The body is written straight from the ids, never held whole: an agentic prompt is
     /// megabytes of JSON, and an overloaded front leaves thousands of requests in flight.
-    /// Made whole, the bodies stayed with the client threads that sent them (the
-    /// allocator keeps a thread's freed pages for that thread): about 7 MB per thread at
-    /// speed 10 on the agentic trace.
-    pub fn complete<I: Iterator<Item = u32>>(
+    /// A request in flight holds its connection, a 64 KiB write buffer while it writes
+    /// and what its answer's next event needs; when requests had a thread each, every
+    /// thread kept its allocator's pages and its stack (about 1.5 MB a request, 7 MB
+    /// while the bodies were made whole).
+    pub async fn complete<I: Iterator<Item = u32>>(
         &self,
         index: usize,
         ids: impl Fn() -> I,
         max_tokens: u32,
         start: Instant,
     ) -> anyhow::Result<Answer> {
-        let (mut conn, first) = self.send(&Request {
-            ids: &ids,
-            max_tokens,
-        })?;
+        let (mut conn, first) = self
+            .send(&Request {
+                ids: &ids,
+                max_tokens,
+            })
+            .await?;
         let mut stream = SseReader::new(&mut conn);
         stream.buf = first;
-        let status = stream.head().with_context(|| format!("request {index}"))?;
+        let status = stream
+            .head()
+            .await
+            .with_context(|| format!("request {index}"))?;
         if status.code != 200 {
-            let text = stream.body_text()?;
+            let text = stream.body_text().await?;
             bail!("request {index}: HTTP {}: {text}", status.code);
         }
         let worker = status
@@ -394,7 +410,7 @@ impl Client {
             .and_then(|w| (w as usize).checked_sub(1))
             .with_context(|| format!("request {index}: no x-kvrouter-worker-id"))?;
         let (mut first, mut last, mut n, mut cached) = (None, 0.0, 0u64, 0u64);
-        while let Some(event) = stream.next_event()? {
+        while let Some(event) = stream.next_event().await? {
             let now = start.elapsed().as_secs_f64() * 1000.0;
             if event == "[DONE]" {
                 if n == 0 {
@@ -415,10 +431,7 @@ impl Client {
                 n += 1;
             }
         }
-        self.idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(conn);
+        self.idle.borrow_mut().push(conn);
         let first_ms = first.with_context(|| format!("request {index}: no token"))?;
         Ok(Answer {
             index,
@@ -440,7 +453,7 @@ struct Status {
 /// Reads one HTTP/1.1 response: its head, then its body's SSE events (chunked, or by
 /// content length).
 struct SseReader<'a> {
-    conn: &'a mut TcpStream,
+    conn: &'a mut GlommioStream,
     buf: Vec<u8>,
     /// Decoded body bytes not yet split into events.
     body: Vec<u8>,
@@ -450,7 +463,7 @@ struct SseReader<'a> {
 }
 
 impl<'a> SseReader<'a> {
-    fn new(conn: &'a mut TcpStream) -> Self {
+    fn new(conn: &'a mut GlommioStream) -> Self {
         Self {
             conn,
             buf: Vec::new(),
@@ -460,9 +473,13 @@ impl<'a> SseReader<'a> {
         }
     }
 
-    fn fill(&mut self) -> anyhow::Result<()> {
+    async fn fill(&mut self) -> anyhow::Result<()> {
         let mut tmp = [0u8; 16 << 10];
-        let n = self.conn.read(&mut tmp).context("reading the answer")?;
+        let n = self
+            .conn
+            .read(&mut tmp)
+            .await
+            .context("reading the answer")?;
         if n == 0 {
             bail!("the front closed the connection mid-answer");
         }
@@ -470,12 +487,12 @@ impl<'a> SseReader<'a> {
         Ok(())
     }
 
-    fn head(&mut self) -> anyhow::Result<Status> {
+    async fn head(&mut self) -> anyhow::Result<Status> {
         let end = loop {
             if let Some(p) = find(&self.buf, b"\r\n\r\n") {
                 break p;
             }
-            self.fill()?;
+            self.fill().await?;
         };
         let head = String::from_utf8_lossy(&self.buf[..end]).into_owned();
         self.buf.drain(..end + 4);
@@ -533,7 +550,7 @@ impl<'a> SseReader<'a> {
     }
 
     /// The next `data:` payload; `None` at the body's end.
-    fn next_event(&mut self) -> anyhow::Result<Option<String>> {
+    async fn next_event(&mut self) -> anyhow::Result<Option<String>> {
         loop {
             if let Some(p) = find(&self.body, b"\n\n") {
                 let event: Vec<u8> = self.body.drain(..p + 2).collect();
@@ -547,16 +564,16 @@ impl<'a> SseReader<'a> {
                 return Ok(None);
             }
             if !self.decode()? {
-                self.fill()?;
+                self.fill().await?;
             }
         }
     }
 
     /// The whole body as text (an error answer).
-    fn body_text(&mut self) -> anyhow::Result<String> {
+    async fn body_text(&mut self) -> anyhow::Result<String> {
         while !self.ended {
             if !self.decode()? {
-                self.fill()?;
+                self.fill().await?;
             }
         }
         Ok(String::from_utf8_lossy(&self.body).into_owned())
@@ -579,8 +596,10 @@ struct Request<'a, I> {
 }
 
 impl<I: Iterator<Item = u32>> Request<'_, I> {
-    /// Writes the request, its `content-length` counted from the ids first.
-    fn write_to(&self, conn: &mut TcpStream) -> std::io::Result<()> {
+    /// Writes the request, its `content-length` counted from the ids first, through a
+    /// buffer of 64 KiB.
+    async fn write_to(&self, conn: &mut GlommioStream) -> std::io::Result<()> {
+        const PIECE: usize = 64 << 10;
         let open = format!("{{\"model\":\"{MODEL}\",\"prompt\":[");
         let close = format!(
             "],\"max_tokens\":{},\"stream\":true,\"stream_options\":{{\"include_usage\":true}}}}",
@@ -590,7 +609,7 @@ impl<I: Iterator<Item = u32>> Request<'_, I> {
             (n + 1, d + id.checked_ilog10().map_or(1, |l| l as usize + 1))
         });
         let len = open.len() + digits + n.saturating_sub(1) + close.len();
-        let mut w = std::io::BufWriter::with_capacity(64 << 10, conn);
+        let mut w = Vec::with_capacity(PIECE + 16);
         write!(
             w,
             "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{open}"
@@ -598,12 +617,17 @@ impl<I: Iterator<Item = u32>> Request<'_, I> {
         let mut text = itoa::Buffer::new();
         for (k, id) in (self.ids)().enumerate() {
             if k > 0 {
-                w.write_all(b",")?;
+                w.push(b',');
             }
-            w.write_all(text.format(id).as_bytes())?;
+            w.extend_from_slice(text.format(id).as_bytes());
+            if w.len() >= PIECE {
+                conn.write_all(&w).await?;
+                w.clear();
+            }
         }
-        w.write_all(close.as_bytes())?;
-        w.flush()
+        w.extend_from_slice(close.as_bytes());
+        conn.write_all(&w).await?;
+        conn.flush().await
     }
 }
 
@@ -614,6 +638,18 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// Runs `f` on a glommio executor of its own, as the load generator runs its client.
+    fn on_executor<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(
+        f: impl FnOnce() -> F + Send + 'static,
+    ) -> T {
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .io_memory(256 << 10)
+            .spawn(move || async move { f().await })
+            .expect("an executor")
+            .join()
+            .expect("the executor ran")
+    }
 
     /// Reads one request from `conn`: its head, then its body (by its content length).
     fn read_one(conn: &mut BufReader<TcpStream>) -> Vec<u8> {
@@ -668,25 +704,28 @@ mod tests {
             answer(&mut w);
             bodies
         });
-        let client = Client::new(addr, Duration::from_secs(10));
-        let start = Instant::now();
-        let asked = AtomicUsize::new(0);
-        let prompts: [&[u32]; 3] = [&[0, 9, 10, 99_999, u32::MAX, 7], &[], &[3, 4, 5]];
-        let mut calls = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let ids = || {
-                asked.fetch_add(1, Ordering::Relaxed);
-                p.iter().copied()
-            };
-            let a = client.complete(i, ids, 2, start).unwrap();
-            assert_eq!((a.index, a.worker, a.cached_tokens), (i, 1, 0));
-            calls.push(asked.swap(0, Ordering::Relaxed));
-        }
+        const PROMPTS: [&[u32]; 3] = [&[0, 9, 10, 99_999, u32::MAX, 7], &[], &[3, 4, 5]];
+        let calls = on_executor(move || async move {
+            let client = Client::new(addr, Duration::from_secs(10));
+            let start = Instant::now();
+            let asked = AtomicUsize::new(0);
+            let mut calls = Vec::new();
+            for (i, p) in PROMPTS.iter().enumerate() {
+                let ids = || {
+                    asked.fetch_add(1, Ordering::Relaxed);
+                    p.iter().copied()
+                };
+                let a = client.complete(i, ids, 2, start).await.unwrap();
+                assert_eq!((a.index, a.worker, a.cached_tokens), (i, 1, 0));
+                calls.push(asked.swap(0, Ordering::Relaxed));
+            }
+            calls
+        });
         // Sized, then written: twice more for the third, on the closed connection first.
         assert_eq!(calls, [2, 2, 4]);
         let bodies = front.join().unwrap();
         assert_eq!(bodies.len(), 3);
-        for (body, p) in bodies.iter().zip(prompts) {
+        for (body, p) in bodies.iter().zip(PROMPTS) {
             check_body(body, p, 2);
         }
     }
@@ -717,10 +756,18 @@ mod tests {
             );
         });
         // Long enough for the first answer on a loaded host; the second never comes.
-        let client = Client::new(addr, Duration::from_secs(1));
-        let start = Instant::now();
-        client.complete(0, || [1u32].into_iter(), 1, start).unwrap();
-        let slow = client.complete(1, || [2u32].into_iter(), 1, start);
+        let slow = on_executor(move || async move {
+            let client = Client::new(addr, Duration::from_secs(1));
+            let start = Instant::now();
+            client
+                .complete(0, || [1u32].into_iter(), 1, start)
+                .await
+                .unwrap();
+            client
+                .complete(1, || [2u32].into_iter(), 1, start)
+                .await
+                .map(|a| a.index)
+        });
         assert!(slow.is_err());
         done.send(()).unwrap();
         front.join().unwrap();
