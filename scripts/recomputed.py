@@ -5,14 +5,16 @@
 
 TRACE is the trace the bench replayed (`.jsonl` or `.jsonl.zst`; `zstd` must be on the
 PATH for the latter), `--limit` the bench's, `--block-size` the engine's (64 by default).
-Per speed and policy: how many requests were admitted on their worker while a prefill
-sharing a prefix with them was still running there (admitted before them, first token
-after), and how many prompt tokens of that shared prefix they did not find cached and
-computed again beside it. An engine that gives a running prefill the whole step's
-budget admits no request until the prefill ends, so nothing is computed twice; with
-`--long-prefill-token-threshold` a request can start beside it and find only the
-chunks already scheduled (docs/BENCHMARKS.md, "Why, cell by cell"). Needs an in-process
-run (the networked modes do not know when the engine admitted a request).
+Per speed and policy: the requests admitted on their worker while a prefill sharing a
+prefix with them was still running there (admitted before them, first token after) that
+did not find all of that shared prefix cached, and the prompt tokens of it they computed
+again beside the prefill. An engine that gives a running prefill the whole step's budget
+starts no request beside it (one admitted in the prefill's last step finds it all), so
+nothing is computed twice; with `--long-prefill-token-threshold` a request can start
+beside it and find only the chunks already scheduled (docs/BENCHMARKS.md, "Why, cell by
+cell"). Only full blocks are cached, so the shared prefix is counted in whole blocks of
+`--block-size`. Needs an in-process run (the networked modes do not know when the engine
+admitted a request).
 """
 import argparse
 import csv
@@ -70,33 +72,35 @@ def main():
             runs[(r["speed"], r["policy"])][r["worker"]].append(
                 (
                     float(r["admitted_ms"]),
-                    float(r["first_ms"]),
                     int(r["request"]),
+                    float(r["first_ms"]),
                     int(r["cached_blocks"]) * args.block_size,
                 )
             )
     for (speed, policy), workers in runs.items():
         joined = requests = tokens = recomputed = 0
         for rs in workers.values():
+            # In the order the engine admitted them (the queue's order within a step).
             rs.sort()
             running = []
-            for admitted, first, i, cached in rs:
+            for admitted, i, first, cached in rs:
                 requests += 1
                 tokens += trace[i][1]
-                running = [q for q in running if q[1] > admitted]
+                running = [q for q in running if q[2] > admitted]
                 shared = 0
-                for _, _, j, _ in running:
+                for _, j, _, _ in running:
                     shared = max(shared, common(trace[i][0], trace[j][0]))
-                running.append((admitted, first, i, cached))
-                shared = min(shared * TRACE_BLOCK, trace[i][1])
-                if shared:
+                running.append((admitted, i, first, cached))
+                full = trace[i][1] // args.block_size * args.block_size
+                shared = min(shared * TRACE_BLOCK, full)
+                if shared > cached:
                     joined += 1
-                    recomputed += max(0, shared - cached)
+                    recomputed += shared - cached
         print(
-            f"speed {speed}, {policy}: {joined} of {requests} requests admitted while a prefill "
-            f"sharing their prefix ran on their worker; {recomputed / 1e6:.2f} M of their "
-            f"{tokens / 1e6:.0f} M prompt tokens ({100 * recomputed / max(tokens, 1):.1f} %) "
-            f"computed again beside it"
+            f"speed {speed}, {policy}: {joined} of {requests} requests started beside a running "
+            f"prefill sharing their prefix and computed part of it again: "
+            f"{recomputed / 1e6:.2f} M of the {tokens / 1e6:.0f} M prompt tokens "
+            f"({100 * recomputed / max(tokens, 1):.1f} %)"
         )
 
 

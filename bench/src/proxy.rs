@@ -5,7 +5,8 @@
 //! one token, `--itl-ms` apart) serves an open-loop load of streaming
 //! chat requests, first directly, then through `kvrouter serve --openai-listen` (the real
 //! binary, its own process: tokenisation with the model card, the routing decision, the
-//! relay). TTFT is from a request's send to the first `data:` bytes of its answer; the
+//! relay). TTFT is from a request's send to the first byte of its answer body's first
+//! chunk (with one-token answers, the `data:` event itself); the
 //! added latency is the proxied TTFT's percentile minus the direct one's. The kvrouter
 //! process's CPU time over the phase gives its CPU per request, and per streamed chunk
 //! (the client counts the `data:` events of every answer).
@@ -250,6 +251,7 @@ fn one(
             let sse = dechunk(&buf[end + 4..]).context("a malformed chunked body")?;
             let events = count(&sse, b"data:");
             let done = count(&sse, b"data: [DONE]");
+            anyhow::ensure!(events > done, "an answer without data");
             return Ok((
                 ttft.context("an answer without data")?,
                 events - done,

@@ -115,8 +115,8 @@
 //! engine can remove that wait itself: with vLLM's `long_prefill_token_threshold` the
 //! cached turn starts beside the long prefill, and in the harness our p99 at light load
 //! falls by a quarter or more; under load the same cap lets a turn start before its
-//! session's previous prompt has finished prefilling, and it recomputes the rest
-//! (docs/BENCHMARKS.md, "Why, cell by cell").
+//! session's previous prompt has finished prefilling, and it computes again what that
+//! prompt has not yet scheduled (docs/BENCHMARKS.md, "Why, cell by cell").
 //!
 //! **A cost in time** ([`Formula::Time`], the `kv-time` policy in the harness, opt-in).
 //! The block weights are block counts tuned on one trace; a cost in milliseconds does not

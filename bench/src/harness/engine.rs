@@ -6,16 +6,22 @@
 //!   with no cached child and no running request) one by one, each eviction published as a
 //!   removed event, and admission waits while those blocks do not fit beside the ones
 //!   already promised to other prefills; the new blocks are published as one stored event
-//!   when the prefill completes. Output tokens are not cached (the next turn's prompt
-//!   carries them) and take no blocks.
+//!   when the prefill completes (with `long_prefill_token_threshold`, chunk by chunk:
+//!   below). Output tokens are not cached (the next turn's prompt carries them) and take
+//!   no blocks.
 //! * **Continuous batching with chunked prefill**, as vLLM v1 schedules: each step runs one
 //!   decode token for every running request past its prefill, plus prefill chunks of the
 //!   others in arrival order, up to `max_batch_tokens` tokens in all (and, with
 //!   `long_prefill_token_threshold`, at most that many to any one request). A waiting request is
 //!   admitted only with budget left over, and looks its prefix up then: it finds every
 //!   block of the prefills scheduled ahead of it, since vLLM caches a chunk's blocks when it
-//!   schedules the chunk. So a request that shares a prefix with one still prefilling
-//!   reuses it rather than computing it a second time beside it.
+//!   schedules the chunk. Without the cap an unfinished prefill takes the rest of the
+//!   step's budget, so a request starts only once the prefills ahead of it have completed
+//!   and finds them whole: one that shares a prefix with a prefill still running reuses it
+//!   rather than computing it a second time beside it. With the cap a request can start
+//!   beside an unfinished prefill, so each chunk's full blocks are cached (and published)
+//!   as it is scheduled: the request finds the part scheduled so far and computes the rest
+//!   itself, as in vLLM.
 //! * **Host tier** (optional, `host_capacity_blocks` > 0): a block evicted from the device
 //!   is offloaded to host memory first (published as stored on the host-pinned tier, before
 //!   the device removal, so its parent is still known), host memory evicting its own least
@@ -718,12 +724,15 @@ impl Engine {
         );
     }
 
-    /// Caches the request's new blocks (at prefill completion) and publishes them.
-    fn store(&mut self, idx: usize) {
+    /// Caches the request's new blocks up to `upto` (those its prefill has computed) and
+    /// publishes them; `done`: its prefill completed, every block is cached and what it
+    /// still had reserved is released (the blocks it could not cache, in a cache full of
+    /// blocks in use, are not).
+    fn store(&mut self, idx: usize, upto: usize, done: bool) {
         // The request's blocks, taken for the walk (no copy) and put back after it.
         let blocks = std::mem::take(&mut self.running[idx].blocks);
         let hit = self.running[idx].cached_blocks;
-        self.reserved -= std::mem::take(&mut self.running[idx].reserved);
+        let upto = upto.clamp(hit, blocks.len());
         let mut parent = if hit > 0 {
             Some(blocks[hit - 1].1.0)
         } else {
@@ -735,7 +744,13 @@ impl Engine {
         let mut off = Offloads::default();
         // Blocks this request holds a reference on (a prefix of its blocks).
         let mut held = hit;
-        for &(l, s) in &blocks[hit..] {
+        for &(l, s) in &blocks[hit..upto] {
+            // Its promised room is this block's now (one block of the reservation each).
+            let r = &mut self.running[idx];
+            if r.reserved > 0 {
+                r.reserved -= 1;
+                self.reserved -= 1;
+            }
             if self.blocks.contains_key(&s.0) {
                 // Cached meanwhile by a sibling request: reuse it.
                 self.hold(s.0);
@@ -756,9 +771,12 @@ impl Engine {
             parent = Some(s.0);
             held += 1;
         }
+        if done {
+            self.reserved -= std::mem::take(&mut self.running[idx].reserved);
+        }
         self.running[idx].cached_blocks = held;
         self.publish_evictions(off, removed);
-        if let Some(p) = &self.pool {
+        if done && let Some(p) = &self.pool {
             p.borrow_mut().write_through(&blocks, &mut self.events);
         }
         self.running[idx].blocks = blocks;
@@ -794,7 +812,8 @@ impl Engine {
     /// starts only with budget left over. It looks its prefix up then, after the prefills
     /// scheduled before it in this step have been cached: vLLM caches a chunk's blocks when
     /// it schedules the chunk, so a request sees every block of the prefills that run
-    /// ahead of it, even one completing in the same step.
+    /// ahead of it, even one completing in the same step (with the long-prefill cap, the
+    /// full blocks of the chunks scheduled so far).
     pub fn step(&mut self) -> Option<(f64, StepOutcome)> {
         if !self.busy() {
             return None;
@@ -869,8 +888,19 @@ impl Engine {
         r.prefilled += chunk;
         *budget -= chunk;
         *prefill_tokens += chunk;
-        if r.prefilled >= r.input_tokens {
-            self.store(i);
+        if r.prefilled < r.input_tokens && self.cfg.long_prefill_token_threshold > 0 {
+            // Capped, a prefill leaves budget to requests admitted beside it: they find
+            // the blocks of the chunks scheduled so far, as vLLM caches a chunk's full
+            // blocks when it schedules it. (Uncapped, an unfinished prefill takes the rest
+            // of the step's budget and nothing starts beside it; its blocks are cached
+            // when it completes.)
+            let upto = (r.prefilled / self.cfg.block_size) as usize;
+            if upto > r.cached_blocks {
+                self.store(i, upto, false);
+            }
+        }
+        if self.running[i].prefilled >= self.running[i].input_tokens {
+            self.store(i, usize::MAX, true);
             let r = &mut self.running[i];
             r.generated = 1;
             out.first_tokens.push(r.id);
@@ -906,9 +936,10 @@ mod tests {
 
     #[test]
     fn the_ttft_floor_is_under_a_lone_requests_ttft_and_close_to_it() {
-        for speedup in [1.0, 4.0] {
+        for (speedup, cap) in [(1.0, 0), (4.0, 0), (1.0, 2_048)] {
             let cfg = EngineConfig {
                 speedup,
+                long_prefill_token_threshold: cap,
                 ..EngineConfig::default()
             };
             for n in [1u32, 100, 3_000, 8_192, 20_000, 100_000] {
@@ -1061,6 +1092,46 @@ mod tests {
             ..small(200)
         };
         assert!(capped.ttft_floor_ms(400) >= 10.0 * (capped.prefill_c + capped.decode_base));
+    }
+
+    #[test]
+    fn a_request_started_beside_a_capped_prefill_finds_its_chunks_so_far() {
+        // A: 400 tokens (100 blocks of 4), capped at 40 tokens a step. B shares A's first
+        // 30 blocks and adds 2, submitted after A's first step. In the next step A's chunk
+        // reaches 80 tokens (20 blocks), cached as it is scheduled, and B, started beside
+        // it with the budget A leaves, finds those 20 and computes only the rest, as vLLM
+        // caches a chunk's full blocks when it schedules it. The router hears of A's
+        // blocks chunk by chunk, and its index always holds what the engine caches.
+        let cfg = EngineConfig {
+            long_prefill_token_threshold: 40,
+            ..small(400)
+        };
+        let mut e = Engine::new(1, cfg);
+        let mut index = ReferenceIndex::new();
+        let a: Vec<u64> = (1..=100).collect();
+        let mut b: Vec<u64> = (1..=30).collect();
+        b.extend([900, 901]);
+        e.submit(EngineRequest::new(0, 400, 2, chain(&a)));
+        let (_, first) = e.step().expect("running");
+        assert_eq!(first.admitted, vec![0]);
+        e.submit(EngineRequest::new(1, 128, 2, chain(&b)));
+        let mut b_cached = None;
+        while let Some((_, out)) = e.step() {
+            assert_in_use_counted(&e);
+            assert!(e.blocks.len() + e.reserved <= cfg.capacity_blocks);
+            for ev in e.take_events() {
+                index.apply(ev).expect("the engine's events apply cleanly");
+            }
+            assert_eq!(index.block_count(), e.cached_blocks());
+            if let Some(k) = out.first_tokens.iter().position(|&id| id == 1) {
+                b_cached = Some(out.first_cached[k]);
+            }
+        }
+        assert_eq!(b_cached, Some(20));
+        assert_eq!(e.reserved, 0);
+        // A's 100 blocks and B's own 2. B computed blocks 21..=30 itself (A had not
+        // scheduled them when B started); A's later chunks found them cached.
+        assert_eq!(e.cached_blocks(), 102);
     }
 
     #[test]

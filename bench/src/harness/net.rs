@@ -863,8 +863,13 @@ fn run_openai(
     while completed < trace.len() {
         let now = now_ms();
         if next < trace.len() && arrival(next) <= now {
-            jobs.send((next, trace[next].clone()))
-                .context("the load generator stopped")?;
+            if jobs.send((next, trace[next].clone())).is_err() {
+                // Its executor ended (a panic): say why.
+                return Err(match loadgen.join() {
+                    Err(e) => anyhow::anyhow!("the load generator's executor: {e}"),
+                    Ok(()) => anyhow::anyhow!("the load generator stopped"),
+                });
+            }
             next += 1;
             continue;
         }
