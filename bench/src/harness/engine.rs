@@ -5,10 +5,10 @@
 //!   is admitted (its prefill starts), evicting least-recently-used *leaves* (cached blocks
 //!   with no cached child and no running request) one by one, each eviction published as a
 //!   removed event, and admission waits while those blocks do not fit beside the ones
-//!   already promised to other prefills; the new blocks are published as one stored event
-//!   when the prefill completes (with `long_prefill_token_threshold`, chunk by chunk:
-//!   below). Output tokens are not cached (the next turn's prompt carries them) and take
-//!   no blocks.
+//!   already promised to other prefills; the full blocks of each prefill chunk are cached
+//!   and published as one stored event when the chunk is scheduled, as vLLM does (below).
+//!   Output tokens are not cached (the next turn's prompt carries them) and take no
+//!   blocks.
 //! * **Continuous batching with chunked prefill**, as vLLM v1 schedules: each step runs one
 //!   decode token for every running request past its prefill, plus prefill chunks of the
 //!   others in arrival order, up to `max_batch_tokens` tokens in all (and, with
@@ -19,9 +19,9 @@
 //!   step's budget, so a request starts only once the prefills ahead of it have completed
 //!   and finds them whole: one that shares a prefix with a prefill still running reuses it
 //!   rather than computing it a second time beside it. With the cap a request can start
-//!   beside an unfinished prefill, so each chunk's full blocks are cached (and published)
-//!   as it is scheduled: the request finds the part scheduled so far and computes the rest
-//!   itself, as in vLLM.
+//!   beside an unfinished prefill: it finds the chunks scheduled so far and computes the
+//!   rest itself, as in vLLM. Either way the router's index learns a long prefill's blocks
+//!   chunk by chunk, as vLLM publishes them, not only when it completes.
 //! * **Host tier** (optional, `host_capacity_blocks` > 0): a block evicted from the device
 //!   is offloaded to host memory first (published as stored on the host-pinned tier, before
 //!   the device removal, so its parent is still known), host memory evicting its own least
@@ -307,8 +307,8 @@ pub struct EngineRequest {
     cached_blocks: usize,
     /// Blocks found cached (device or host) when it was admitted.
     hit_blocks: usize,
-    /// Memory promised to its fresh blocks at admission, until its prefill completes and
-    /// they are cached (blocks).
+    /// Memory promised to its fresh blocks at admission, released block by block as they
+    /// are cached (blocks).
     reserved: usize,
     prefilled: u32,
     generated: u32,
@@ -392,8 +392,8 @@ pub struct Engine {
     /// The generation at which the head of the queue last did not fit: until it changes,
     /// admission has nothing to try (decode-only steps skip it).
     blocked_at: Option<u64>,
-    /// Blocks promised to admitted requests whose prefill has not completed: their fresh
-    /// blocks are cached only then, and the memory must be there when it does.
+    /// Blocks promised to admitted requests for their fresh blocks not yet cached: each is
+    /// cached when the chunk holding it is scheduled, and the memory must be there then.
     reserved: usize,
     /// Cached blocks some running request uses (`refs > 0`). A request holds its whole
     /// cached prefix, so these are closed under parents, and every other cached block can
@@ -888,12 +888,10 @@ impl Engine {
         r.prefilled += chunk;
         *budget -= chunk;
         *prefill_tokens += chunk;
-        if r.prefilled < r.input_tokens && self.cfg.long_prefill_token_threshold > 0 {
-            // Capped, a prefill leaves budget to requests admitted beside it: they find
-            // the blocks of the chunks scheduled so far, as vLLM caches a chunk's full
-            // blocks when it schedules it. (Uncapped, an unfinished prefill takes the rest
-            // of the step's budget and nothing starts beside it; its blocks are cached
-            // when it completes.)
+        if r.prefilled < r.input_tokens {
+            // vLLM caches (and publishes) a chunk's full blocks when it schedules it, so
+            // a request admitted beside the prefill (capped, a prefill leaves budget over)
+            // or routed while it runs finds the chunks scheduled so far.
             let upto = (r.prefilled / self.cfg.block_size) as usize;
             if upto > r.cached_blocks {
                 self.store(i, upto, false);
@@ -1132,6 +1130,39 @@ mod tests {
         // A's 100 blocks and B's own 2. B computed blocks 21..=30 itself (A had not
         // scheduled them when B started); A's later chunks found them cached.
         assert_eq!(e.cached_blocks(), 102);
+    }
+
+    #[test]
+    fn an_uncapped_prefill_publishes_each_chunks_blocks_as_it_is_scheduled() {
+        // A: 400 tokens (100 blocks of 4) with no cap and 100 tokens a step: four chunks
+        // of 25 blocks. vLLM caches, and publishes, a chunk's full blocks when it schedules
+        // it, so the router's index holds 25, 50, 75 and then 100 of A's blocks, each
+        // step's before A's first token, and always what the engine caches.
+        let cfg = small(400);
+        let mut e = Engine::new(1, cfg);
+        let mut index = ReferenceIndex::new();
+        let a: Vec<u64> = (1..=100).collect();
+        e.submit(EngineRequest::new(0, 400, 2, chain(&a)));
+        let mut seen = Vec::new();
+        while let Some((_, out)) = e.step() {
+            for ev in e.take_events() {
+                index.apply(ev).expect("the engine's events apply cleanly");
+            }
+            assert_eq!(index.block_count(), e.cached_blocks());
+            assert!(e.blocks.len() + e.reserved <= cfg.capacity_blocks);
+            seen.push((index.block_count(), out.first_tokens.contains(&0)));
+        }
+        assert_eq!(
+            seen,
+            [
+                (25, false),
+                (50, false),
+                (75, false),
+                (100, true),
+                (100, false)
+            ]
+        );
+        assert_eq!(e.reserved, 0);
     }
 
     #[test]
