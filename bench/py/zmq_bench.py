@@ -1,12 +1,13 @@
 """Plays engines on the vLLM-native ZMQ wire for `kvrouter-bench zmq`, and is the raw
 libzmq (pyzmq) SUB loop it compares against.
 
-  pub FILE BASE_PORT N [--rate BLOCKS_PER_S]   bind N PUB sockets on BASE_PORT..; after "go"
-                                               on stdin, send FILE's messages (each to its
-                                               publisher, with that publisher's next seq);
-                                               print "start T" (time.time()) and "sent"
-  sub BASE_PORT N MESSAGES                     connect N SUBs; print "ready"; count MESSAGES,
-                                               print "end T" at the last one
+  pub FILE N [--rate BLOCKS_PER_S]   bind N PUB sockets, each on a port the system picks;
+                                     print "ready P1,P2,..." (their ports); after "go" on
+                                     stdin, send FILE's messages (each to its publisher,
+                                     with that publisher's next seq); print "start T"
+                                     (time.time()) and "sent"
+  sub P1,P2,... MESSAGES             connect a SUB to every port; print "ready"; count
+                                     MESSAGES, print "end T" at the last one
 
 FILE holds records: u32 publisher index, u32 block events, u32 length, payload (LE).
 """
@@ -31,17 +32,20 @@ def load(path):
     return out
 
 
-def publish(path, base, n, rate):
+def publish(path, n, rate):
     msgs = load(path)
     ctx = zmq.Context()
     socks = []
     for k in range(n):
         s = ctx.socket(zmq.PUB)
         s.set_hwm(1_000_000)
-        s.bind(f"tcp://*:{base + k}")
+        # Port 0: the system picks a free one as it binds, so no other process can take
+        # it between a check and the bind.
+        s.bind("tcp://127.0.0.1:*")
         socks.append(s)
+    ports = [s.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1] for s in socks]
     seqs = [0] * n
-    print("ready", flush=True)
+    print("ready " + ",".join(ports), flush=True)
     for line in sys.stdin:
         if line.strip() == "go":
             break
@@ -65,13 +69,13 @@ def publish(path, base, n, rate):
         s.close(linger=0)
 
 
-def subscribe(base, n, total):
+def subscribe(ports, total):
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.set_hwm(1_000_000)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    for k in range(n):
-        sub.connect(f"tcp://127.0.0.1:{base + k}")
+    for port in ports:
+        sub.connect(f"tcp://127.0.0.1:{port}")
     time.sleep(0.5)
     print("ready", flush=True)
     cpu = time.process_time()
@@ -84,7 +88,7 @@ def subscribe(base, n, total):
 
 if __name__ == "__main__":
     if sys.argv[1] == "pub":
-        rate = float(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[5] == "--rate" else None
-        publish(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), rate)
+        rate = float(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--rate" else None
+        publish(sys.argv[2], int(sys.argv[3]), rate)
     else:
-        subscribe(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        subscribe(sys.argv[2].split(","), int(sys.argv[3]))

@@ -171,18 +171,18 @@ pub fn encode(
     Ok((out, workers))
 }
 
-fn free_base(n: u16) -> u16 {
-    loop {
-        let base = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .unwrap_or(20000);
-        if base.checked_add(n).is_some()
-            && (0..n).all(|k| std::net::TcpListener::bind(("127.0.0.1", base + k)).is_ok())
-        {
-            return base;
-        }
-    }
+/// The ports of a publisher's "ready P1,P2,..." line.
+fn ports_of(line: &str, n: u16) -> anyhow::Result<Vec<u16>> {
+    let ports = line
+        .strip_prefix("ready ")
+        .map(|p| {
+            p.split(',')
+                .map(str::parse)
+                .collect::<Result<Vec<u16>, _>>()
+        })
+        .and_then(Result::ok)
+        .filter(|p| p.len() == usize::from(n));
+    ports.ok_or_else(|| anyhow::anyhow!("the publisher did not start: {line:?}"))
 }
 
 fn line_of(r: &mut impl BufRead) -> anyhow::Result<String> {
@@ -224,14 +224,11 @@ pub fn run(
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("py/zmq_bench.py");
     let n = workers.len() as u16;
     let bs = bt as u32;
-    let publisher = |base: u16| -> anyhow::Result<Reaped> {
+    // Each publisher socket binds a port the system picks and says which.
+    let publisher = || -> anyhow::Result<Reaped> {
         let mut cmd = Command::new(python);
-        cmd.arg(&script).args([
-            "pub",
-            &file.to_string_lossy(),
-            &base.to_string(),
-            &n.to_string(),
-        ]);
+        cmd.arg(&script)
+            .args(["pub", &file.to_string_lossy(), &n.to_string()]);
         if let Some(r) = rate {
             cmd.args(["--rate", &r.to_string()]);
         }
@@ -241,15 +238,15 @@ pub fn run(
     };
 
     // Ingest.
-    let base = free_base(n);
-    let mut p = publisher(base)?;
+    let mut p = publisher()?;
     let mut out = BufReader::new(p.0.stdout.take().expect("stdout"));
-    anyhow::ensure!(line_of(&mut out)? == "ready", "the publisher did not start");
+    let ports = ports_of(&line_of(&mut out)?, n)?;
     let engines = workers
         .iter()
+        .zip(&ports)
         .enumerate()
-        .map(|(k, &w)| {
-            let ep = Endpoint::parse(&format!("tcp://127.0.0.1:{}", base + k as u16))?;
+        .map(|(k, (&w, port))| {
+            let ep = Endpoint::parse(&format!("tcp://127.0.0.1:{port}"))?;
             Ok(ZmqEngine {
                 worker_id: w,
                 ..ZmqEngine::new(format!("w{k}"), ep, bs)
@@ -304,22 +301,18 @@ pub fn run(
     drop(p);
 
     // Raw pyzmq SUB on the same messages.
-    let base = free_base(n);
-    let mut p = publisher(base)?;
+    let mut p = publisher()?;
     let mut pout = BufReader::new(p.0.stdout.take().expect("stdout"));
-    anyhow::ensure!(
-        line_of(&mut pout)? == "ready",
-        "the publisher did not start"
-    );
+    let ports = ports_of(&line_of(&mut pout)?, n)?;
+    let ports = ports
+        .iter()
+        .map(u16::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
     let mut s = Reaped(
         Command::new(python)
             .arg(&script)
-            .args([
-                "sub",
-                &base.to_string(),
-                &n.to_string(),
-                &msgs.len().to_string(),
-            ])
+            .args(["sub", &ports, &msgs.len().to_string()])
             .stdout(Stdio::piped())
             .spawn()?,
     );
