@@ -10,8 +10,9 @@
 //!   `POST /v1/completions` with the prompt as token ids (the trace's tokens), `max_tokens`
 //!   as the trace's output length and `stream: true`. Every token is one SSE chunk; the
 //!   last chunk carries `usage` with `prompt_tokens_details.cached_tokens` (the blocks the
-//!   engine found cached), as vLLM reports it. A thread per connection reads requests and
-//!   writes answers; the engine loop hands tokens to them over channels. A client that goes
+//!   engine found cached), as vLLM reports it. A task per connection, on the engine
+//!   loop's executor, reads requests and writes answers; the engine loop hands tokens to
+//!   them over channels. A client that goes
 //!   away does not cancel the engine's work (the mock has no preemption).
 //! - **The router** serves a model card of its own (a one-word tokenizer: prompts are token
 //!   ids, never text) and every policy, the cache-blind ones too (`--router-mode`).
@@ -20,13 +21,10 @@
 //!   token chunks, the worker the one the front names in `x-kvrouter-worker-id`, and the
 //!   hits the engine's `cached_tokens`.
 
-use std::cell::RefCell;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::cell::{Cell, RefCell};
+use std::io::Write;
 use std::path::Path;
 use std::rc::Rc;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -102,68 +100,100 @@ struct StreamOptions {
 }
 
 /// Listens on a free loopback port for the engine's OpenAI API; jobs go to `jobs`.
-/// Returns the port.
+/// Returns the port. Must be called on a glommio executor: every connection is a task on
+/// it.
+///
+/// The engine loop runs on that executor too, so a token it hands a connection wakes a
+/// task on the same thread: no thread switch, no system call. A thread per connection,
+/// woken through a futex for every token, made the mock engines the largest CPU consumer
+/// of a networked run, and an executor thread of its own for the connections, woken from
+/// the engine's, cost more still (docs/BENCHMARKS.md). Tokens that arrive together leave
+/// in one write.
 pub fn serve_engine(block_size: u32, jobs: flume::Sender<HttpJob>) -> std::io::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let listener = glommio::net::TcpListener::bind("127.0.0.1:0")?;
     let port = listener.local_addr()?.port();
-    let ids = Arc::new(AtomicUsize::new(0));
-    std::thread::Builder::new()
-        .name("bench-engine-http".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(conn) = conn else { continue };
-                let (jobs, ids) = (jobs.clone(), Arc::clone(&ids));
-                std::thread::spawn(move || {
-                    if let Err(e) = engine_conn(conn, block_size, &jobs, &ids) {
-                        tracing::debug!(error = %e, "bench engine: connection closed");
-                    }
-                });
+    glommio::spawn_local(async move {
+        let ids = Rc::new(Cell::new(0usize));
+        loop {
+            match listener.accept().await {
+                Ok(conn) => {
+                    let (jobs, ids) = (jobs.clone(), Rc::clone(&ids));
+                    glommio::spawn_local(async move {
+                        if let Err(e) = engine_conn(conn, block_size, &jobs, &ids).await {
+                            tracing::debug!(error = %e, "bench engine: connection closed");
+                        }
+                    })
+                    .detach();
+                }
+                Err(e) => {
+                    // Out of descriptors, say: wait rather than spin.
+                    tracing::warn!(error = %e, "bench engine: accept failed");
+                    glommio::timer::sleep(Duration::from_millis(10)).await;
+                }
             }
-        })?;
+        }
+    })
+    .detach();
     Ok(port)
 }
 
-/// One HTTP/1.1 request head and body; `None` at a clean end of the connection.
-fn read_request(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<(String, Vec<u8>)>> {
-    let mut line = String::new();
-    let mut first = String::new();
-    let mut len = 0usize;
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 {
-            return Ok(None);
+/// Reads more of the connection into `buf`; `false` at its end.
+async fn read_more(conn: &mut GlommioStream, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+    const READ: usize = 64 << 10;
+    let at = buf.len();
+    buf.resize(at + READ, 0);
+    let n = conn.read(&mut buf[at..]).await;
+    buf.truncate(at + *n.as_ref().unwrap_or(&0));
+    Ok(n? > 0)
+}
+
+/// One HTTP/1.1 request's first line and body, the bytes after it left in `buf`; `None`
+/// at a clean end of the connection.
+async fn read_request(
+    conn: &mut GlommioStream,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Option<(String, Vec<u8>)>> {
+    let end = loop {
+        if let Some(p) = find(buf, b"\r\n\r\n") {
+            break p;
         }
-        let l = line.trim_end();
-        if l.is_empty() {
-            if first.is_empty() {
-                continue;
+        if !read_more(conn, buf).await? {
+            if buf.iter().all(u8::is_ascii_whitespace) {
+                return Ok(None);
             }
-            break;
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        if first.is_empty() {
-            first = l.to_owned();
-        } else if let Some((k, v)) = l.split_once(':')
-            && k.eq_ignore_ascii_case("content-length")
-        {
-            len = v.trim().parse().unwrap_or(0);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    buf.drain(..end + 4);
+    let mut lines = head.trim_start().split("\r\n");
+    let first = lines.next().unwrap_or("").to_owned();
+    let len = lines
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0usize);
+    while buf.len() < len {
+        if !read_more(conn, buf).await? {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
     }
-    let mut body = vec![0; len];
-    r.read_exact(&mut body)?;
-    Ok(Some((first, body)))
+    let rest = buf.split_off(len);
+    Ok(Some((first, std::mem::replace(buf, rest))))
 }
 
-fn chunk(w: &mut impl Write, s: &str) -> std::io::Result<()> {
-    write!(w, "{:x}\r\n{s}\r\n", s.len())
+fn chunk(w: &mut Vec<u8>, s: &str) {
+    // Writing to a Vec cannot fail.
+    let _ = write!(w, "{:x}\r\n{s}\r\n", s.len());
 }
 
-fn respond(w: &mut impl Write, status: &str, body: &str) -> std::io::Result<()> {
-    write!(
-        w,
+async fn respond(conn: &mut GlommioStream, status: &str, body: &str) -> std::io::Result<()> {
+    let answer = format!(
         "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
-    )?;
-    w.flush()
+    );
+    conn.write_all(answer.as_bytes()).await?;
+    conn.flush().await
 }
 
 fn blocks_of(tokens: &[u32], block_size: u32) -> Vec<(LocalBlockHash, SequenceBlockHash)> {
@@ -172,47 +202,58 @@ fn blocks_of(tokens: &[u32], block_size: u32) -> Vec<(LocalBlockHash, SequenceBl
     locals.into_iter().zip(seqs).collect()
 }
 
-/// Waits for a request's next token (noting its cached blocks at the first); `false` at
-/// its end.
-fn next_token(rx: &flume::Receiver<Tok>, cached: &mut usize) -> bool {
-    match rx.recv() {
-        Ok(Tok::First { cached_blocks }) => {
-            *cached = cached_blocks;
-            true
+/// Waits for a request's next tokens: `n` tokens have come (the first one notes its
+/// cached blocks) and then, with `true`, the request's end. Takes every token already
+/// sent, so that tokens that arrive together are answered together.
+async fn next_tokens(rx: &flume::Receiver<Tok>, cached: &mut usize) -> (u32, bool) {
+    let mut next = rx.recv_async().await.ok();
+    let mut n = 0;
+    loop {
+        match next {
+            Some(Tok::First { cached_blocks }) => {
+                *cached = cached_blocks;
+                n += 1;
+            }
+            Some(Tok::Token) => n += 1,
+            Some(Tok::Done) | None => return (n, true),
         }
-        Ok(Tok::Token) => true,
-        Ok(Tok::Done) | Err(_) => false,
+        next = match rx.try_recv() {
+            Ok(t) => Some(t),
+            Err(flume::TryRecvError::Empty) => return (n, false),
+            Err(flume::TryRecvError::Disconnected) => None,
+        };
     }
 }
 
-fn engine_conn(
-    conn: TcpStream,
+async fn engine_conn(
+    mut conn: GlommioStream,
     block_size: u32,
     jobs: &flume::Sender<HttpJob>,
-    ids: &AtomicUsize,
+    ids: &Cell<usize>,
 ) -> std::io::Result<()> {
     conn.set_nodelay(true)?;
-    let mut r = BufReader::new(conn.try_clone()?);
-    let mut w = std::io::BufWriter::new(conn);
-    while let Some((head, body)) = read_request(&mut r)? {
+    let mut buf = Vec::new();
+    while let Some((head, body)) = read_request(&mut conn, &mut buf).await? {
         if !head.starts_with("POST /v1/completions ") {
             respond(
-                &mut w,
+                &mut conn,
                 "404 Not Found",
                 r#"{"error":{"message":"only POST /v1/completions","type":"not_found"}}"#,
-            )?;
+            )
+            .await?;
             continue;
         }
         let req: CompletionBody = match serde_json::from_slice(&body) {
             Ok(b) => b,
             Err(e) => {
                 let msg = serde_json::json!({"error": {"message": format!("bad request: {e}"), "type": "invalid_request_error"}});
-                respond(&mut w, "400 Bad Request", &msg.to_string())?;
+                respond(&mut conn, "400 Bad Request", &msg.to_string()).await?;
                 continue;
             }
         };
         // Only uniqueness is needed: no other memory is published with the id.
-        let id = ids.fetch_add(1, Ordering::Relaxed);
+        let id = ids.get();
+        ids.set(id + 1);
         let prompt_tokens = req.prompt.len() as u32;
         let output = req.max_tokens.unwrap_or(16).max(1);
         let blocks = blocks_of(&req.prompt, block_size);
@@ -227,10 +268,11 @@ fn engine_conn(
         };
         if jobs.send(job).is_err() {
             respond(
-                &mut w,
+                &mut conn,
                 "503 Service Unavailable",
                 r#"{"error":{"message":"engine stopped","type":"unavailable"}}"#,
-            )?;
+            )
+            .await?;
             return Ok(());
         }
         let usage = |generated: u32, cached: usize| {
@@ -242,37 +284,50 @@ fn engine_conn(
             })
         };
         let cmpl = format!("cmpl-{id}");
+        let (mut generated, mut cached) = (0u32, 0usize);
         if stream {
-            write!(
-                w,
-                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            )?;
-            w.flush()?;
-            let (mut generated, mut cached) = (0u32, 0usize);
-            while next_token(&rx, &mut cached) {
-                generated += 1;
-                let last = generated >= output;
-                let event = serde_json::json!({
-                    "id": cmpl, "object": "text_completion", "model": MODEL,
-                    "choices": [{"index": 0, "text": " t", "finish_reason": if last { Some("length") } else { None }}],
-                });
-                chunk(&mut w, &format!("data: {event}\n\n"))?;
-                w.flush()?;
+            conn.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+            )
+            .await?;
+            conn.flush().await?;
+            let mut out = Vec::new();
+            loop {
+                let (n, ended) = next_tokens(&rx, &mut cached).await;
+                for _ in 0..n {
+                    generated += 1;
+                    let last = generated >= output;
+                    let event = serde_json::json!({
+                        "id": cmpl, "object": "text_completion", "model": MODEL,
+                        "choices": [{"index": 0, "text": " t", "finish_reason": if last { Some("length") } else { None }}],
+                    });
+                    chunk(&mut out, &format!("data: {event}\n\n"));
+                }
+                if ended {
+                    break;
+                }
+                conn.write_all(&out).await?;
+                conn.flush().await?;
+                out.clear();
             }
             if include_usage {
                 let event = serde_json::json!({
                     "id": cmpl, "object": "text_completion", "model": MODEL,
                     "choices": [], "usage": usage(generated, cached),
                 });
-                chunk(&mut w, &format!("data: {event}\n\n"))?;
+                chunk(&mut out, &format!("data: {event}\n\n"));
             }
-            chunk(&mut w, "data: [DONE]\n\n")?;
-            w.write_all(b"0\r\n\r\n")?;
-            w.flush()?;
+            chunk(&mut out, "data: [DONE]\n\n");
+            out.extend_from_slice(b"0\r\n\r\n");
+            conn.write_all(&out).await?;
+            conn.flush().await?;
         } else {
-            let (mut generated, mut cached) = (0u32, 0usize);
-            while next_token(&rx, &mut cached) {
-                generated += 1;
+            loop {
+                let (n, ended) = next_tokens(&rx, &mut cached).await;
+                generated += n;
+                if ended {
+                    break;
+                }
             }
             let text = " t".repeat(generated as usize);
             let answer = serde_json::json!({
@@ -280,7 +335,7 @@ fn engine_conn(
                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
                 "usage": usage(generated, cached),
             });
-            respond(&mut w, "200 OK", &answer.to_string())?;
+            respond(&mut conn, "200 OK", &answer.to_string()).await?;
         }
     }
     Ok(())
@@ -313,7 +368,7 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client of the front at `addr`; a read that waits longer than `timeout` fails.
+    /// A client of the front at `addr`; a read or a write that waits longer than `timeout` fails.
     pub fn new(addr: String, timeout: Duration) -> Self {
         Self {
             addr,
@@ -333,6 +388,8 @@ impl Client {
             .with_context(|| format!("connecting to the front at {}", self.addr))?;
         c.set_nodelay(true).map_err(std::io::Error::from)?;
         c.set_read_timeout(Some(self.timeout))
+            .map_err(std::io::Error::from)?;
+        c.set_write_timeout(Some(self.timeout))
             .map_err(std::io::Error::from)?;
         Ok((c, false))
     }
@@ -638,6 +695,9 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use std::io::{BufRead, BufReader, Read};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// Runs `f` on a glommio executor of its own, as the load generator runs its client.
     fn on_executor<T: Send + 'static, F: std::future::Future<Output = T> + 'static>(
@@ -653,9 +713,160 @@ mod tests {
 
     /// Reads one request from `conn`: its head, then its body (by its content length).
     fn read_one(conn: &mut BufReader<TcpStream>) -> Vec<u8> {
-        let (head, body) = read_request(conn).unwrap().expect("a request");
-        assert!(head.starts_with("POST /v1/completions "), "{head}");
+        let (mut first, mut len) = (String::new(), 0);
+        loop {
+            let mut line = String::new();
+            assert!(
+                conn.read_line(&mut line).unwrap() > 0,
+                "the request ended early"
+            );
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if first.is_empty() {
+                first = l.to_owned();
+            } else if let Some((k, v)) = l.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        assert!(first.starts_with("POST /v1/completions "), "{first}");
+        let mut body = vec![0; len];
+        conn.read_exact(&mut body).unwrap();
         body
+    }
+
+    /// Reads one answer from `conn`: its status code and its body (chunked or by
+    /// content length), decoded.
+    fn read_answer(conn: &mut BufReader<TcpStream>) -> (u16, Vec<u8>) {
+        let (mut code, mut len, mut chunked) = (0, 0, false);
+        loop {
+            let mut line = String::new();
+            assert!(
+                conn.read_line(&mut line).unwrap() > 0,
+                "the answer ended early"
+            );
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if code == 0 {
+                code = l.split_whitespace().nth(1).unwrap().parse().unwrap();
+            } else if let Some((k, v)) = l.split_once(':') {
+                match k.to_ascii_lowercase().as_str() {
+                    "content-length" => len = v.trim().parse().unwrap(),
+                    "transfer-encoding" => chunked = v.trim() == "chunked",
+                    _ => {}
+                }
+            }
+        }
+        let mut body = Vec::new();
+        if !chunked {
+            body.resize(len, 0);
+            conn.read_exact(&mut body).unwrap();
+            return (code, body);
+        }
+        loop {
+            let mut size = String::new();
+            conn.read_line(&mut size).unwrap();
+            let size = usize::from_str_radix(size.trim(), 16).unwrap();
+            let mut piece = vec![0; size + 2];
+            conn.read_exact(&mut piece).unwrap();
+            assert!(piece.ends_with(b"\r\n"));
+            if size == 0 {
+                return (code, body);
+            }
+            body.extend_from_slice(&piece[..size]);
+        }
+    }
+
+    /// The bench engine's API on one kept-alive connection: a streamed completion (one
+    /// event per token, then the usage with the cached tokens, then `[DONE]`), one that
+    /// is not streamed, a wrong path and a malformed body; every job reaches the engine
+    /// with its prompt and output length. The stand-in engine sends each request's tokens
+    /// all at once, so they leave in one write.
+    #[test]
+    fn the_bench_engine_answers_every_request_on_one_connection() {
+        let (jobs, taken) = flume::unbounded::<HttpJob>();
+        let (port_tx, port_rx) = flume::bounded(1);
+        // The server's executor, alive until `stop` is dropped.
+        let (stop, stopped) = flume::bounded::<()>(1);
+        let server = std::thread::spawn(move || {
+            on_executor(move || async move {
+                port_tx.send(serve_engine(64, jobs).unwrap()).unwrap();
+                let _ = stopped.recv_async().await;
+            })
+        });
+        let port = port_rx.recv().unwrap();
+        let engine = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for job in taken.iter().take(2) {
+                let r = &job.request;
+                seen.push((r.input_tokens, r.output_tokens, r.blocks.len()));
+                job.tokens.send(Tok::First { cached_blocks: 1 }).unwrap();
+                for _ in 1..r.output_tokens {
+                    job.tokens.send(Tok::Token).unwrap();
+                }
+                job.tokens.send(Tok::Done).unwrap();
+            }
+            seen
+        });
+        let conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut r = BufReader::new(conn.try_clone().unwrap());
+        let mut w = conn;
+        let mut send = |path: &str, body: &str| {
+            write!(
+                w,
+                "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+        };
+        let prompt: Vec<u32> = (0..130).collect();
+        let streamed = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 5,
+            "stream": true, "stream_options": {"include_usage": true}});
+        send("/v1/completions", &streamed.to_string());
+        let (code, body) = read_answer(&mut r);
+        assert_eq!(code, 200);
+        let body = String::from_utf8(body).unwrap();
+        let events: Vec<&str> = body
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.len(), 7, "{body}");
+        assert_eq!(events[6], "[DONE]");
+        for (k, e) in events[..5].iter().enumerate() {
+            let v: serde_json::Value = serde_json::from_str(e).unwrap();
+            let finish = if k == 4 {
+                "length".into()
+            } else {
+                serde_json::Value::Null
+            };
+            assert_eq!(v["choices"][0]["finish_reason"], finish, "{e}");
+        }
+        let usage: serde_json::Value = serde_json::from_str(events[5]).unwrap();
+        assert_eq!(usage["usage"]["completion_tokens"], 5);
+        assert_eq!(usage["usage"]["prompt_tokens"], 130);
+        assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+        let whole = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3});
+        send("/v1/completions", &whole.to_string());
+        let (code, body) = read_answer(&mut r);
+        assert_eq!(code, 200);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["choices"][0]["text"], " t t t");
+        assert_eq!(v["usage"]["completion_tokens"], 3);
+        send("/v1/chat/completions", "{}");
+        assert_eq!(read_answer(&mut r).0, 404);
+        send("/v1/completions", "{\"prompt\": [1,");
+        assert_eq!(read_answer(&mut r).0, 400);
+        // Two full blocks of 64 in the first prompt, none in the second.
+        assert_eq!(engine.join().unwrap(), [(130, 5, 2), (3, 3, 0)]);
+        drop(stop);
+        server.join().unwrap();
     }
 
     fn answer(conn: &mut TcpStream) {
