@@ -73,10 +73,14 @@
 //! of a request still prefilling will be cached by the time this one's prefill reaches
 //! them: engines prefill in arrival order, and vLLM v1 starts a waiting request only
 //! when the running ones leave budget over, caching a chunk's blocks when it schedules
-//! it. On the whole agentic trace the credit cuts our mean 5.7–8.1× on three seeds
-//! (docs/BENCHMARKS.md, "The mock engine schedules as vLLM v1 does"; an earlier harness
-//! engine looked a request's prefix up as soon as its memory fitted, so such a request
-//! recomputed what it joined, and the credit looked harmful). The approximate mode also
+//! it. With an engine that publishes each chunk's blocks as it schedules it, as vLLM
+//! does, the index lags by the prompts still waiting and the chunks not yet scheduled,
+//! and the credit lowers our mean 0.5–8 % at agentic speed 1, on the whole agentic trace
+//! and on the synthetic trace at its highest load, on three seeds (docs/BENCHMARKS.md, "The engine publishes each
+//! chunk's blocks when it schedules it"). With an engine that published a prompt's blocks
+//! only when its prefill completed, it cut the whole agentic trace's mean 5.7–8.1×; with
+//! one that looked a request's prefix up as soon as its memory fitted, so that such a
+//! request recomputed what it joined, it looked harmful. The approximate mode also
 //! never sees evictions and keeps a session where it was; the exact policy moves a
 //! session once the index shows its blocks gone, and the copy it leaves behind is
 //! capacity wasted twice. How much a
