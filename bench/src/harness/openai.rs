@@ -153,9 +153,22 @@ async fn read_request(
     conn: &mut GlommioStream,
     buf: &mut Vec<u8>,
 ) -> std::io::Result<Option<(String, Vec<u8>)>> {
+    // Larger heads and bodies are not requests of the harness: the connection is closed.
+    const MAX_HEAD: usize = 64 << 10;
+    const MAX_BODY: usize = 256 << 20;
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
     let end = loop {
+        // Empty lines before a request line are ignored (RFC 9112, 2.2).
+        let blank = buf
+            .iter()
+            .take_while(|&&b| b == b'\r' || b == b'\n')
+            .count();
+        buf.drain(..blank);
         if let Some(p) = find(buf, b"\r\n\r\n") {
             break p;
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(bad("request head over 64 KiB"));
         }
         if !read_more(conn, buf).await? {
             if buf.iter().all(u8::is_ascii_whitespace) {
@@ -166,13 +179,16 @@ async fn read_request(
     };
     let head = String::from_utf8_lossy(&buf[..end]).into_owned();
     buf.drain(..end + 4);
-    let mut lines = head.trim_start().split("\r\n");
+    let mut lines = head.split("\r\n");
     let first = lines.next().unwrap_or("").to_owned();
     let len = lines
         .filter_map(|l| l.split_once(':'))
         .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
         .and_then(|(_, v)| v.trim().parse().ok())
         .unwrap_or(0usize);
+    if len > MAX_BODY {
+        return Err(bad("request body over 256 MiB"));
+    }
     while buf.len() < len {
         if !read_more(conn, buf).await? {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
@@ -782,11 +798,11 @@ mod tests {
         }
     }
 
-    /// The bench engine's API on one kept-alive connection: a streamed completion (one
-    /// event per token, then the usage with the cached tokens, then `[DONE]`), one that
-    /// is not streamed, a wrong path and a malformed body; every job reaches the engine
-    /// with its prompt and output length. The stand-in engine sends each request's tokens
-    /// all at once, so they leave in one write.
+    /// The bench engine's API on one kept-alive connection: a streamed completion with a
+    /// body of over 100 KB (one event per token, then the usage with the cached tokens,
+    /// then `[DONE]`), one that is not streamed, written before the first is answered, a
+    /// wrong path after empty lines, and a malformed body; every job reaches the engine
+    /// with its prompt and output length.
     #[test]
     fn the_bench_engine_answers_every_request_on_one_connection() {
         let (jobs, taken) = flume::unbounded::<HttpJob>();
@@ -818,7 +834,7 @@ mod tests {
             .unwrap();
         let mut r = BufReader::new(conn.try_clone().unwrap());
         let mut w = conn;
-        let mut send = |path: &str, body: &str| {
+        let send = |w: &mut TcpStream, path: &str, body: &str| {
             write!(
                 w,
                 "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-length: {}\r\n\r\n{body}",
@@ -826,10 +842,14 @@ mod tests {
             )
             .unwrap();
         };
-        let prompt: Vec<u32> = (0..130).collect();
+        // A body of over 100 KB (read in pieces), and a second request written before the
+        // first is answered.
+        let prompt: Vec<u32> = (0..20_000).collect();
         let streamed = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 5,
             "stream": true, "stream_options": {"include_usage": true}});
-        send("/v1/completions", &streamed.to_string());
+        send(&mut w, "/v1/completions", &streamed.to_string());
+        let whole = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3});
+        send(&mut w, "/v1/completions", &whole.to_string());
         let (code, body) = read_answer(&mut r);
         assert_eq!(code, 200);
         let body = String::from_utf8(body).unwrap();
@@ -850,21 +870,21 @@ mod tests {
         }
         let usage: serde_json::Value = serde_json::from_str(events[5]).unwrap();
         assert_eq!(usage["usage"]["completion_tokens"], 5);
-        assert_eq!(usage["usage"]["prompt_tokens"], 130);
+        assert_eq!(usage["usage"]["prompt_tokens"], 20_000);
         assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
-        let whole = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3});
-        send("/v1/completions", &whole.to_string());
         let (code, body) = read_answer(&mut r);
         assert_eq!(code, 200);
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["choices"][0]["text"], " t t t");
         assert_eq!(v["usage"]["completion_tokens"], 3);
-        send("/v1/chat/completions", "{}");
+        // A wrong path, after empty lines the server skips.
+        write!(w, "\r\n\r\n").unwrap();
+        send(&mut w, "/v1/chat/completions", "{}");
         assert_eq!(read_answer(&mut r).0, 404);
-        send("/v1/completions", "{\"prompt\": [1,");
+        send(&mut w, "/v1/completions", "{\"prompt\": [1,");
         assert_eq!(read_answer(&mut r).0, 400);
-        // Two full blocks of 64 in the first prompt, none in the second.
-        assert_eq!(engine.join().unwrap(), [(130, 5, 2), (3, 3, 0)]);
+        // 312 full blocks of 64 in the first prompt, none in the second.
+        assert_eq!(engine.join().unwrap(), [(20_000, 5, 312), (3, 3, 0)]);
         drop(stop);
         server.join().unwrap();
     }
