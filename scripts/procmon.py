@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Runs a command and samples every `kvrouter` process it starts: CPU, RSS and threads.
+"""Runs a command and samples every `kvrouter` process on the host: CPU, RSS and threads.
 
     python3 scripts/procmon.py OUT -- CMD...
 
-Every 0.5 s it reads /proc for processes whose executable path contains `kvrouter`,
-keeping each one's latest CPU seconds (user + system) and its peak RSS and threads. At the
-end it groups them by their first argument (`bench`, `bench-engine`, `serve`, ...) and
+Every 0.5 s it reads /proc for processes whose first argument (argv[0]) contains
+`kvrouter`, whoever started them (run no other such process meanwhile), keeping each
+one's latest CPU seconds (user + system) and its peak RSS and threads. At the end it
+groups them by their subcommand (`bench`, `bench-engine`, `serve`, ...) and
 writes `OUT.json` (also printed): the command's exit status, the wall time and, per group,
 the processes, their CPU seconds together and the largest RSS and thread count of any one.
 CMD's output goes to `OUT.stdout` and `OUT.stderr`. A process's last half second before

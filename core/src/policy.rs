@@ -102,8 +102,9 @@
 //! (`kvrouter serve --remember-decisions-secs`) it records its own decisions too and
 //! credits a worker with the longer of the index's prefix and the remembered one, so a
 //! session whose blocks the index shows evicted still stays where it was. It is off by
-//! default: with the harness engine scheduling as vLLM does it changes little and costs
-//! the agentic p99 (seed 42, 120 s: the whole agentic trace 2.16 s / 31.4 s → 2.06 s /
+//! default: with the harness engine scheduling as vLLM does it changed little and cost
+//! the agentic p99 (seed 42, 120 s, before the engine published chunks as scheduled:
+//! the whole agentic trace 2.16 s / 31.4 s → 2.06 s /
 //! 31.9 s; its first 6,000 requests at speed 1 34.9 s → 38.0 s p99, above the approximate
 //! mode's 37.2 s).
 //!
