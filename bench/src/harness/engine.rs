@@ -604,8 +604,13 @@ impl Engine {
             .cfg
             .capacity_blocks
             .saturating_sub(self.blocks.len() + self.reserved);
-        // Every cached block no running request uses can go, leaf after leaf.
-        let evictable = self.blocks.len() - self.in_use;
+        // Every cached block no running request uses can go, leaf after leaf, but for the
+        // request's own cached prefix, which it holds from now on.
+        let own_idle = r.blocks[..hit]
+            .iter()
+            .filter(|(_, s)| self.blocks.get(&s.0).is_some_and(|b| b.refs == 0))
+            .count();
+        let evictable = self.blocks.len() - self.in_use - own_idle;
         if need > free + evictable && !self.running.is_empty() {
             // Not enough room until running requests finish.
             self.waiting.push_front(r);
@@ -747,7 +752,8 @@ impl Engine {
         for &(l, s) in &blocks[hit..upto] {
             // Its promised room is this block's now (one block of the reservation each).
             let r = &mut self.running[idx];
-            if r.reserved > 0 {
+            let promised = r.reserved > 0;
+            if promised {
                 r.reserved -= 1;
                 self.reserved -= 1;
             }
@@ -762,8 +768,15 @@ impl Engine {
                 match self.evict_one(&mut off) {
                     Some(seq) => removed.push(SequenceBlockHash(seq)),
                     // Full of blocks in use (a prompt larger than the whole cache, let in
-                    // alone): the rest of the prompt is not cached.
-                    None => break,
+                    // alone): the rest of the prompt is not cached now. The block keeps
+                    // its promise, for a later chunk or for the release when it is done.
+                    None => {
+                        if promised {
+                            self.running[idx].reserved += 1;
+                            self.reserved += 1;
+                        }
+                        break;
+                    }
                 }
             }
             self.insert_in_use(parent, l, s);
@@ -872,9 +885,9 @@ impl Engine {
         Some((ms, out))
     }
 
-    /// Gives running request `i` its next prefill chunk from `budget`; when that completes
-    /// its prefill, caches its blocks at once (later admissions in this step see them) and
-    /// reports its first token.
+    /// Gives running request `i` its next prefill chunk from `budget` and caches the
+    /// chunk's full blocks at once (later admissions in this step see them); when that
+    /// completes its prefill, caches the rest and reports its first token.
     fn prefill_chunk(
         &mut self,
         i: usize,
@@ -1130,6 +1143,52 @@ mod tests {
         // A's 100 blocks and B's own 2. B computed blocks 21..=30 itself (A had not
         // scheduled them when B started); A's later chunks found them cached.
         assert_eq!(e.cached_blocks(), 102);
+    }
+
+    #[test]
+    fn a_request_whose_cached_prefix_would_be_counted_as_room_waits() {
+        // Room for 100 blocks. A (30 blocks) and B (20) run and end: 50 idle blocks. X
+        // (50 blocks) runs and holds them. N continues A's 30 with 40 more: 50 blocks are
+        // evictable, but 30 of them are N's own prefix, which it holds once admitted, so
+        // only 20 can make room for its 40. N waits for X to end; memory is never
+        // promised past the capacity.
+        let cfg = small(100);
+        let mut e = Engine::new(1, cfg);
+        let a: Vec<u64> = (1..=30).collect();
+        let mut n = a.clone();
+        n.extend(100..140);
+        e.submit(EngineRequest::new(0, 120, 1, chain(&a)));
+        while e.step().is_some() {}
+        e.submit(EngineRequest::new(
+            1,
+            80,
+            1,
+            chain(&(200..220).collect::<Vec<_>>()),
+        ));
+        while e.step().is_some() {}
+        e.submit(EngineRequest::new(
+            2,
+            200,
+            6,
+            chain(&(300..350).collect::<Vec<_>>()),
+        ));
+        let (_, out) = e.step().expect("running");
+        assert_eq!(out.admitted, vec![2]);
+        e.submit(EngineRequest::new(3, 280, 1, chain(&n)));
+        let (mut x_done, mut n_hit) = (false, None);
+        while let Some((_, out)) = e.step() {
+            assert!(e.blocks.len() + e.reserved <= cfg.capacity_blocks);
+            assert_in_use_counted(&e);
+            if out.admitted.contains(&3) {
+                assert!(x_done, "N admitted while X holds its memory");
+            }
+            x_done |= out.finished.contains(&2);
+            if let Some(k) = out.first_tokens.iter().position(|&id| id == 3) {
+                n_hit = Some(out.first_cached[k]);
+            }
+        }
+        assert_eq!(n_hit, Some(30));
+        assert_eq!(e.reserved, 0);
     }
 
     #[test]
