@@ -754,55 +754,11 @@ mod tests {
         body
     }
 
-    /// Reads one answer from `conn`: its status code and its body (chunked or by
-    /// content length), decoded.
-    fn read_answer(conn: &mut BufReader<TcpStream>) -> (u16, Vec<u8>) {
-        let (mut code, mut len, mut chunked) = (0, 0, false);
-        loop {
-            let mut line = String::new();
-            assert!(
-                conn.read_line(&mut line).unwrap() > 0,
-                "the answer ended early"
-            );
-            let l = line.trim_end();
-            if l.is_empty() {
-                break;
-            }
-            if code == 0 {
-                code = l.split_whitespace().nth(1).unwrap().parse().unwrap();
-            } else if let Some((k, v)) = l.split_once(':') {
-                match k.to_ascii_lowercase().as_str() {
-                    "content-length" => len = v.trim().parse().unwrap(),
-                    "transfer-encoding" => chunked = v.trim() == "chunked",
-                    _ => {}
-                }
-            }
-        }
-        let mut body = Vec::new();
-        if !chunked {
-            body.resize(len, 0);
-            conn.read_exact(&mut body).unwrap();
-            return (code, body);
-        }
-        loop {
-            let mut size = String::new();
-            conn.read_line(&mut size).unwrap();
-            let size = usize::from_str_radix(size.trim(), 16).unwrap();
-            let mut piece = vec![0; size + 2];
-            conn.read_exact(&mut piece).unwrap();
-            assert!(piece.ends_with(b"\r\n"));
-            if size == 0 {
-                return (code, body);
-            }
-            body.extend_from_slice(&piece[..size]);
-        }
-    }
-
-    /// The bench engine's API on one kept-alive connection: a streamed completion with a
-    /// body of over 100 KB (one event per token, then the usage with the cached tokens,
-    /// then `[DONE]`), one that is not streamed, written before the first is answered, a
-    /// wrong path after empty lines, and a malformed body; every job reaches the engine
-    /// with its prompt and output length.
+    /// The bench engine's API on one kept-alive connection, four requests written at once:
+    /// a streamed completion with a body of over 100 KB (one event per token, then the
+    /// usage with the cached tokens, then `[DONE]`), one that is not streamed, a wrong path
+    /// after empty lines, and a malformed body; every job reaches the engine with its
+    /// prompt and output length.
     #[test]
     fn the_bench_engine_answers_every_request_on_one_connection() {
         let (jobs, taken) = flume::unbounded::<HttpJob>();
@@ -829,35 +785,52 @@ mod tests {
             }
             seen
         });
-        let conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        conn.set_read_timeout(Some(Duration::from_secs(30)))
-            .unwrap();
-        let mut r = BufReader::new(conn.try_clone().unwrap());
-        let mut w = conn;
-        let send = |w: &mut TcpStream, path: &str, body: &str| {
-            write!(
-                w,
-                "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .unwrap();
-        };
-        // A body of over 100 KB (read in pieces), and a second request written before the
-        // first is answered.
-        let prompt: Vec<u32> = (0..20_000).collect();
-        let streamed = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 5,
-            "stream": true, "stream_options": {"include_usage": true}});
-        send(&mut w, "/v1/completions", &streamed.to_string());
-        let whole = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3});
-        send(&mut w, "/v1/completions", &whole.to_string());
-        let (code, body) = read_answer(&mut r);
-        assert_eq!(code, 200);
-        let body = String::from_utf8(body).unwrap();
-        let events: Vec<&str> = body
-            .split("\n\n")
-            .filter_map(|e| e.strip_prefix("data: "))
-            .collect();
-        assert_eq!(events.len(), 7, "{body}");
+        // Four requests written at once, each answer read with the load generator's own
+        // decoder: a body of over 100 KB, streamed; one not streamed; a wrong path after
+        // empty lines; a malformed body.
+        let answers = on_executor(move || async move {
+            let post = |path: &str, body: &str| {
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+            };
+            let prompt: Vec<u32> = (0..20_000).collect();
+            let streamed = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 5,
+                "stream": true, "stream_options": {"include_usage": true}});
+            let whole = serde_json::json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3});
+            let requests = [
+                post("/v1/completions", &streamed.to_string()),
+                post("/v1/completions", &whole.to_string()),
+                "\r\n\r\n".to_owned() + &post("/v1/chat/completions", "{}"),
+                post("/v1/completions", "{\"prompt\": [1,"),
+            ];
+            let mut conn = GlommioStream::connect(("127.0.0.1", port)).await.unwrap();
+            conn.set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            conn.write_all(requests.concat().as_bytes()).await.unwrap();
+            let (mut answers, mut left) = (Vec::new(), Vec::new());
+            for k in 0..requests.len() {
+                let mut reader = SseReader::new(&mut conn);
+                reader.buf = std::mem::take(&mut left);
+                let code = reader.head().await.unwrap().code;
+                let mut parts = Vec::new();
+                if k == 0 {
+                    while let Some(event) = reader.next_event().await.unwrap() {
+                        parts.push(event);
+                    }
+                } else {
+                    parts.push(reader.body_text().await.unwrap());
+                }
+                left = std::mem::take(&mut reader.buf);
+                answers.push((code, parts));
+            }
+            answers
+        });
+        let codes: Vec<u16> = answers.iter().map(|a| a.0).collect();
+        assert_eq!(codes, [200, 200, 404, 400]);
+        let events = &answers[0].1;
+        assert_eq!(events.len(), 7, "{events:?}");
         assert_eq!(events[6], "[DONE]");
         for (k, e) in events[..5].iter().enumerate() {
             let v: serde_json::Value = serde_json::from_str(e).unwrap();
@@ -868,21 +841,13 @@ mod tests {
             };
             assert_eq!(v["choices"][0]["finish_reason"], finish, "{e}");
         }
-        let usage: serde_json::Value = serde_json::from_str(events[5]).unwrap();
+        let usage: serde_json::Value = serde_json::from_str(&events[5]).unwrap();
         assert_eq!(usage["usage"]["completion_tokens"], 5);
         assert_eq!(usage["usage"]["prompt_tokens"], 20_000);
         assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
-        let (code, body) = read_answer(&mut r);
-        assert_eq!(code, 200);
-        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&answers[1].1[0]).unwrap();
         assert_eq!(v["choices"][0]["text"], " t t t");
         assert_eq!(v["usage"]["completion_tokens"], 3);
-        // A wrong path, after empty lines the server skips.
-        write!(w, "\r\n\r\n").unwrap();
-        send(&mut w, "/v1/chat/completions", "{}");
-        assert_eq!(read_answer(&mut r).0, 404);
-        send(&mut w, "/v1/completions", "{\"prompt\": [1,");
-        assert_eq!(read_answer(&mut r).0, 400);
         // 312 full blocks of 64 in the first prompt, none in the second.
         assert_eq!(engine.join().unwrap(), [(20_000, 5, 312), (3, 3, 0)]);
         drop(stop);
