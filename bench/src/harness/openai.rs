@@ -108,7 +108,7 @@ struct StreamOptions {
 /// woken through a futex for every token, made the mock engines the largest CPU consumer
 /// of a networked run, and an executor thread of its own for the connections, woken from
 /// the engine's, cost more still (docs/BENCHMARKS.md). Tokens that arrive together leave
-/// in one write.
+/// in one write. Large bodies are parsed on the executor's blocking thread.
 pub fn serve_engine(block_size: u32, jobs: flume::Sender<HttpJob>) -> std::io::Result<u16> {
     let listener = glommio::net::TcpListener::bind("127.0.0.1:0")?;
     let port = listener.local_addr()?.port();
@@ -241,6 +241,26 @@ async fn next_tokens(rx: &flume::Receiver<Tok>, cached: &mut usize) -> (u32, boo
     }
 }
 
+/// What the engine needs of a completion request.
+struct Parsed {
+    prompt_tokens: u32,
+    output: u32,
+    blocks: Vec<(LocalBlockHash, SequenceBlockHash)>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn parse_job(body: &[u8], block_size: u32) -> Result<Parsed, serde_json::Error> {
+    let req: CompletionBody = serde_json::from_slice(body)?;
+    Ok(Parsed {
+        prompt_tokens: req.prompt.len() as u32,
+        output: req.max_tokens.unwrap_or(16).max(1),
+        blocks: blocks_of(&req.prompt, block_size),
+        stream: req.stream,
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    })
+}
+
 async fn engine_conn(
     mut conn: GlommioStream,
     block_size: u32,
@@ -259,8 +279,25 @@ async fn engine_conn(
             .await?;
             continue;
         }
-        let req: CompletionBody = match serde_json::from_slice(&body) {
-            Ok(b) => b,
+        // A large body is parsed, and its blocks hashed, on the executor's blocking thread:
+        // an agentic prompt takes milliseconds, and the engine loop's steps, on this
+        // thread, would end that much late.
+        const INLINE: usize = 64 << 10;
+        let parsed = if body.len() > INLINE {
+            glommio::executor()
+                .spawn_blocking(move || parse_job(&body, block_size))
+                .await
+        } else {
+            parse_job(&body, block_size)
+        };
+        let Parsed {
+            prompt_tokens,
+            output,
+            blocks,
+            stream,
+            include_usage,
+        } = match parsed {
+            Ok(p) => p,
             Err(e) => {
                 let msg = serde_json::json!({"error": {"message": format!("bad request: {e}"), "type": "invalid_request_error"}});
                 respond(&mut conn, "400 Bad Request", &msg.to_string()).await?;
@@ -270,13 +307,6 @@ async fn engine_conn(
         // Only uniqueness is needed: no other memory is published with the id.
         let id = ids.get();
         ids.set(id + 1);
-        let prompt_tokens = req.prompt.len() as u32;
-        let output = req.max_tokens.unwrap_or(16).max(1);
-        let blocks = blocks_of(&req.prompt, block_size);
-        let stream = req.stream;
-        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        // Not needed while the answer streams (megabytes for an agentic prompt).
-        drop((body, req));
         let (tx, rx) = flume::unbounded();
         let job = HttpJob {
             request: EngineRequest::new(id, prompt_tokens, output, blocks),
