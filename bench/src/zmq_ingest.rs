@@ -349,3 +349,27 @@ pub fn run(
         raw_block_events_per_cpu_s: block_events as f64 / raw_cpu_s,
     })
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::ports_of;
+
+    #[test]
+    fn a_publishers_ready_line_gives_one_port_per_socket() {
+        assert_eq!(
+            ports_of("ready 40001,40002,9", 3).unwrap(),
+            [40001, 40002, 9]
+        );
+        for (line, n) in [
+            ("ready 40001,40002", 3),
+            ("ready 40001,x,9", 3),
+            ("ready 70000", 1),
+            ("ready", 1),
+            ("Traceback (most recent call last):", 1),
+            ("", 1),
+        ] {
+            let e = ports_of(line, n).unwrap_err().to_string();
+            assert!(e.contains("did not start"), "{line:?}: {e}");
+        }
+    }
+}
