@@ -750,34 +750,27 @@ impl Engine {
         // Blocks this request holds a reference on (a prefix of its blocks).
         let mut held = hit;
         for &(l, s) in &blocks[hit..upto] {
-            // Its promised room is this block's now (one block of the reservation each).
-            let r = &mut self.running[idx];
-            let promised = r.reserved > 0;
-            if promised {
-                r.reserved -= 1;
-                self.reserved -= 1;
+            // One block of the request's reservation is this block's room.
+            let promised = usize::from(self.running[idx].reserved > 0);
+            // Cached meanwhile by a sibling request: reused below.
+            let sibling = self.blocks.contains_key(&s.0);
+            if !sibling && self.blocks.len() + self.reserved - promised >= self.cfg.capacity_blocks
+            {
+                match self.evict_one(&mut off) {
+                    Some(seq) => removed.push(SequenceBlockHash(seq)),
+                    // Full of blocks in use (a prompt larger than the whole cache, let in
+                    // alone): the rest of the prompt is not cached now. The reservation
+                    // stays, for a later chunk or for the release when it is done.
+                    None => break,
+                }
             }
-            if self.blocks.contains_key(&s.0) {
-                // Cached meanwhile by a sibling request: reuse it.
+            self.running[idx].reserved -= promised;
+            self.reserved -= promised;
+            if sibling {
                 self.hold(s.0);
                 parent = Some(s.0);
                 held += 1;
                 continue;
-            }
-            if self.blocks.len() + self.reserved >= self.cfg.capacity_blocks {
-                match self.evict_one(&mut off) {
-                    Some(seq) => removed.push(SequenceBlockHash(seq)),
-                    // Full of blocks in use (a prompt larger than the whole cache, let in
-                    // alone): the rest of the prompt is not cached now. The block keeps
-                    // its promise, for a later chunk or for the release when it is done.
-                    None => {
-                        if promised {
-                            self.running[idx].reserved += 1;
-                            self.reserved += 1;
-                        }
-                        break;
-                    }
-                }
             }
             self.insert_in_use(parent, l, s);
             stored.push((l, s));
@@ -909,8 +902,7 @@ impl Engine {
             if upto > r.cached_blocks {
                 self.store(i, upto, false);
             }
-        }
-        if self.running[i].prefilled >= self.running[i].input_tokens {
+        } else {
             self.store(i, usize::MAX, true);
             let r = &mut self.running[i];
             r.generated = 1;
