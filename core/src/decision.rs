@@ -38,6 +38,7 @@ use crate::index::{
 };
 use crate::policy::{CostConfig, Formula, Rng, Scored, choose, score};
 use crate::prefill::PrefillTimes;
+use crate::returns::Returns;
 use crate::slots::{SlotError, Slots};
 use crate::worker::WorkerDp;
 
@@ -328,6 +329,8 @@ pub struct Decider {
     tiers: TierScores,
     /// Learned prefill times and queues ([`Formula::Time`] only).
     prefill: Option<PrefillTimes>,
+    /// Each worker's rate of returning requests (`return_weight` above 0 only).
+    returns: Option<Returns>,
     /// The last decision's blocks, held at [`Decider::settle`].
     pending: Option<Pending>,
     /// Keep settled decisions' sequence hashes for [`Decider::take_settled`].
@@ -378,6 +381,8 @@ impl Decider {
             tiers: TierScores::new(),
             prefill: (cfg.cost.formula == Formula::Time && cfg.selection == Selection::Cost)
                 .then(|| PrefillTimes::new(cfg.cost.prior)),
+            returns: (cfg.cost.return_weight > 0.0 && cfg.selection == Selection::Cost)
+                .then(|| Returns::new(cfg.cost.return_window_secs * 1e3)),
             pending: None,
             keep_settled: false,
             settled: Vec::new(),
@@ -609,6 +614,11 @@ impl Decider {
                         c.prefill_model = p.coefficients(c.worker);
                     }
                 }
+                if let Some(r) = &self.returns {
+                    for c in &mut candidates {
+                        c.returns_per_ms = r.per_ms(c.worker, now_ms);
+                    }
+                }
                 let s = score(
                     &self.cfg.cost,
                     route.tokens,
@@ -662,6 +672,11 @@ impl Decider {
             worker,
             blocks: blocks.into_owned(),
         });
+        if let Some(r) = &mut self.returns {
+            // Returning in proportion to the share of it the worker holds.
+            let share = credited_tokens as f64 / route.tokens.max(1) as f64;
+            r.record(worker, share, now_ms);
+        }
         if let Some(p) = &mut self.prefill {
             let new = route.tokens.saturating_sub(credited_tokens);
             p.start(&request_id, worker, (new, credited_tokens), now_ms, true);
@@ -743,6 +758,9 @@ impl Decider {
         }
         if let Some(p) = &mut self.prefill {
             p.remove(worker);
+        }
+        if let Some(r) = &mut self.returns {
+            r.remove(worker);
         }
     }
 
@@ -912,6 +930,69 @@ mod tests {
                 .prefill_times()
                 .is_none()
         );
+    }
+
+    #[test]
+    fn a_new_prompt_is_charged_for_the_turns_that_return_to_a_worker() {
+        use crate::policy::CostConfig;
+        let idx = index();
+        let mut d = Decider::new(DeciderConfig {
+            block_size: 16,
+            cost: CostConfig {
+                return_weight: 1.0,
+                return_window_secs: 1.0,
+                ..CostConfig::default()
+            },
+            ..Default::default()
+        });
+        // Five turns that find three of their four blocks at worker 2, each done at once.
+        let l = locals(&[1, 2, 3, 4]);
+        for t in 0..5u64 {
+            let id = format!("turn{t}");
+            let out = d
+                .decide(Some(&idx), &W, route(&l, Some(&id)), seqs(&l), t)
+                .unwrap();
+            assert_eq!(out.worker, W[1]);
+            d.free(&id).unwrap();
+        }
+        // A new prompt of 40 blocks: worker 2 expects 5 × 3/4 returns over the last
+        // second, the others none, so it goes elsewhere.
+        let new: Vec<u64> = (100..140).collect();
+        let l = locals(&new);
+        let out = d
+            .decide(Some(&idx), &W, route(&l, Some("new")), seqs(&l), 10)
+            .unwrap();
+        assert_ne!(out.worker, W[1]);
+        let scored = out.scored.unwrap();
+        let rate: f64 = (0..5u64)
+            .map(|t| 0.75 * (-((10 - t) as f64) / 1000.0).exp())
+            .sum::<f64>()
+            / 1000.0;
+        // 40 blocks of 16 tokens at 120 ms per 1,000 tokens: 76.8 ms; in blocks of 1.92 ms.
+        let want = rate * 76.8 * 76.8 / 2.0 / 1.92;
+        let w2 = scored.iter().find(|s| s.candidate.worker == W[1]).unwrap();
+        assert!((w2.candidate.returns_per_ms - rate).abs() < 1e-12, "{w2:?}");
+        assert!((w2.returning_delay - want).abs() < 1e-9, "{w2:?}");
+        for s in scored.iter().filter(|s| s.candidate.worker != W[1]) {
+            assert_eq!(s.returning_delay, 0.0);
+        }
+        // A worker that leaves takes its rate with it.
+        d.free("new").unwrap();
+        d.remove(W[1]);
+        let out = d
+            .decide(Some(&idx), &W, route(&l, Some("again")), seqs(&l), 11)
+            .unwrap();
+        let scored = out.scored.unwrap();
+        assert!(scored.iter().all(|s| s.returning_delay == 0.0));
+        // Off by default: no rates kept.
+        let mut d = Decider::new(DeciderConfig {
+            block_size: 16,
+            ..Default::default()
+        });
+        let l = locals(&[1, 2, 3, 4]);
+        d.decide(Some(&idx), &W, route(&l, Some("x")), seqs(&l), 0)
+            .unwrap();
+        assert!(d.returns.is_none());
     }
 
     #[test]

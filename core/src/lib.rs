@@ -45,6 +45,7 @@ pub mod prefetch;
 pub mod prefill;
 pub mod recovery;
 pub mod replay;
+pub mod returns;
 pub mod sessions;
 pub mod slots;
 pub mod snapshot;

@@ -116,7 +116,14 @@
 //! the cached turn waits for that whole prefill. Moving the turn recomputes its prompt,
 //! which the block formula rightly prices above most of the wait; the lever is where the
 //! long new prompt goes, and a cost built from the request's own queue and cache cannot
-//! see the sessions, idle between turns, that it will hold up (docs/HARNESS.md). The
+//! see the sessions, idle between turns, that it will hold up (docs/HARNESS.md).
+//! `return_weight` (0, off) tries it with what the router can count: each worker's
+//! decayed rate of returning requests ([`crate::returns`]), and a charge of
+//! `rate × prefill² / 2` for the turns that would wait behind the request's uncached
+//! prefill. It evens the requests per worker at light load but loses under load (p99
+//! 15–31 % higher at agentic speed 1 with weight 0.25, three seeds): the rate lags, so new
+//! sessions gather on the workers that look quiet and return together (docs/BENCHMARKS.md,
+//! "Charging a prompt for the turns that return to a worker"). The
 //! engine can remove that wait itself: with vLLM's `long_prefill_token_threshold` the
 //! cached turn starts beside the long prefill, and in the harness our p99 at light load
 //! falls by a quarter or more; under load the same cap lets a turn start before its
@@ -222,8 +229,16 @@ pub struct CostConfig {
     /// With [`Formula::Time`]: weight of the delay a prefill adds to each request decoding
     /// on the candidate (every step that carries a prefill chunk holds their next token).
     pub decode_delay_weight: f64,
-    /// With [`Formula::Time`]: the prefill model of a worker not yet observed.
+    /// With [`Formula::Time`]: the prefill model of a worker not yet observed. With
+    /// [`Formula::Blocks`]: its `ms_per_ktoken` prices a block's prefill for the
+    /// returning-delay term.
     pub prior: crate::prefill::Prior,
+    /// Weight of the delay the request's uncached prefill adds to the requests expected
+    /// to return to the candidate while it runs (`rate × prefill² / 2`, [`crate::returns`];
+    /// 0: off, as in Dynamo).
+    pub return_weight: f64,
+    /// Decay window of each worker's rate of returning requests, seconds.
+    pub return_window_secs: f64,
 }
 
 impl Default for CostConfig {
@@ -267,6 +282,7 @@ impl CostConfig {
             ("temperature", self.temperature),
             ("decode_delay_weight", self.decode_delay_weight),
             ("saturation_weight", self.saturation_weight),
+            ("return_weight", self.return_weight),
             ("prior.base_ms", self.prior.base_ms),
             ("prior.ms_per_ktoken", self.prior.ms_per_ktoken),
             ("prior.ms_per_mpair", self.prior.ms_per_mpair),
@@ -279,12 +295,17 @@ impl CostConfig {
                 });
             }
         }
-        if !(self.prior.variance.is_finite() && self.prior.variance > 0.0) {
-            return Err(CostError {
-                name: "prior.variance",
-                value: self.prior.variance,
-                rule: "finite and above 0",
-            });
+        for (name, value) in [
+            ("prior.variance", self.prior.variance),
+            ("return_window_secs", self.return_window_secs),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(CostError {
+                    name,
+                    value,
+                    rule: "finite and above 0",
+                });
+            }
         }
         Ok(())
     }
@@ -318,6 +339,8 @@ impl CostConfig {
             formula: Formula::Blocks,
             decode_delay_weight: 0.0,
             prior: crate::prefill::Prior::default(),
+            return_weight: 0.0,
+            return_window_secs: 60.0,
         }
     }
 }
@@ -366,6 +389,9 @@ pub struct Candidate {
     pub wait_ms: f64,
     /// Its prefill model's coefficients `[b0, b1, b2]` ([`crate::prefill::features`]).
     pub prefill_model: [f64; 3],
+    /// Requests returning to it per ms, recently ([`crate::returns`]; with
+    /// `return_weight` above 0).
+    pub returns_per_ms: f64,
 }
 
 /// A candidate's cost, with its terms (for `explain`).
@@ -395,6 +421,10 @@ pub struct Scored {
     /// [`Formula::Time`]: the delay its prefill adds to the requests decoding there
     /// (`decode_delay_weight × prefill_ms × decoding_requests`), ms.
     pub added_delay_ms: f64,
+    /// The delay its uncached prefill adds to the requests expected to return there
+    /// meanwhile, weighted by `return_weight`: prefill blocks ([`Formula::Blocks`],
+    /// inside `prefill_load_scale`) or ms ([`Formula::Time`]).
+    pub returning_delay: f64,
     /// The cost.
     pub cost: f64,
     /// Whether it passed the busy thresholds.
@@ -412,6 +442,29 @@ pub struct Credits {
     pub disk: f64,
     /// `shared_cache_multiplier × shared_beyond_blocks`.
     pub shared: f64,
+}
+
+impl Credits {
+    /// A candidate's credits under `cfg` (the device tier's overlap is, with
+    /// `credit_inflight`, the longer of the index's and its active requests').
+    fn of(cfg: &CostConfig, c: &Candidate) -> Self {
+        let device = if cfg.credit_inflight {
+            c.device_overlap_blocks.max(c.inflight_overlap_blocks)
+        } else {
+            c.device_overlap_blocks
+        };
+        Credits {
+            device: cfg.overlap_score_credit * device as f64,
+            host: cfg.host_cache_hit_weight * c.host_overlap_blocks as f64,
+            disk: cfg.disk_cache_hit_weight * c.disk_overlap_blocks as f64,
+            shared: cfg.shared_cache_multiplier * c.shared_beyond_blocks as f64,
+        }
+    }
+
+    /// All tiers together.
+    fn total(&self) -> f64 {
+        self.device + self.host + self.disk + self.shared
+    }
 }
 
 /// SplitMix64: a small seeded generator, so that decisions are reproducible in tests and
@@ -462,28 +515,36 @@ pub fn score(
         / bs;
     let fresh_weight =
         cfg.new_block_weight * (1.0 + cfg.saturation_weight * least_queued / own_blocks);
+    let own = request_tokens as f64 / bs;
     candidates
         .iter()
         .map(|c| {
-            let own = request_tokens as f64 / bs;
             let raw = c.active_prefill_tokens as f64 / bs + own;
-            let device = if cfg.credit_inflight {
-                c.device_overlap_blocks.max(c.inflight_overlap_blocks)
-            } else {
-                c.device_overlap_blocks
-            };
-            let credits = Credits {
-                device: cfg.overlap_score_credit * device as f64,
-                host: cfg.host_cache_hit_weight * c.host_overlap_blocks as f64,
-                disk: cfg.disk_cache_hit_weight * c.disk_overlap_blocks as f64,
-                shared: cfg.shared_cache_multiplier * c.shared_beyond_blocks as f64,
-            };
-            let credit = credits.device + credits.host + credits.disk + credits.shared;
+            let credits = Credits::of(cfg, c);
+            let credit = credits.total();
             let adjusted = (raw - credit).max(0.0);
             let fresh = (own - credit).max(0.0);
             let decode = c.potential_decode_blocks as f64;
+            // Requests returning while the uncached prefill runs wait half of it on
+            // average: `rate × prefill × prefill / 2`.
+            let returning = |prefill: f64| {
+                if cfg.return_weight > 0.0 && c.returns_per_ms > 0.0 && prefill > 0.0 {
+                    cfg.return_weight * c.returns_per_ms * prefill * prefill / 2.0
+                } else {
+                    0.0
+                }
+            };
+            let mut returning_delay = 0.0;
             let (prefill_ms, ttft_ms, added_delay_ms, time_cost) = match cfg.formula {
-                Formula::Blocks => (0.0, 0.0, 0.0, 0.0),
+                Formula::Blocks => {
+                    // In blocks: the prefill time is `fresh` blocks at the prior's price
+                    // of one, and the delay is divided by that price again.
+                    let block_ms = cfg.prior.ms_per_ktoken * bs / 1e3;
+                    if block_ms > 0.0 {
+                        returning_delay = returning(fresh * block_ms) / block_ms;
+                    }
+                    (0.0, 0.0, 0.0, 0.0)
+                }
                 Formula::Time => {
                     // Credited blocks are cached context; the rest is prefilled.
                     let cached = (credit * bs).min(request_tokens as f64) as u64;
@@ -495,7 +556,13 @@ pub fn score(
                     // `prefill_load_scale`, as in the block formula.
                     let block_ms = m[1].max(0.0) * bs / 1e3;
                     let memory = block_ms / cfg.prefill_load_scale.max(1e-9) * decode;
-                    (prefill, ttft, added, ttft + added + memory)
+                    returning_delay = returning(prefill);
+                    (
+                        prefill,
+                        ttft,
+                        added,
+                        ttft + added + memory + returning_delay,
+                    )
                 }
             };
             let eligible = cfg
@@ -515,6 +582,7 @@ pub fn score(
                 prefill_ms,
                 ttft_ms,
                 added_delay_ms,
+                returning_delay,
                 cost: match cfg.formula {
                     Formula::Blocks => {
                         // `fresh` 0 charges nothing, whatever the weight (no inf × 0).
@@ -523,7 +591,7 @@ pub fn score(
                         } else {
                             0.0
                         };
-                        cfg.prefill_load_scale * (adjusted + charge) + decode
+                        cfg.prefill_load_scale * (adjusted + charge + returning_delay) + decode
                     }
                     Formula::Time => time_cost,
                 },
@@ -768,6 +836,71 @@ mod tests {
         };
         assert_eq!(pick(&plain), 2);
         assert_eq!(pick(&CostConfig::default()), 1);
+    }
+
+    #[test]
+    fn a_long_new_prompt_avoids_the_worker_its_sessions_return_to() {
+        // A new prompt of 100 blocks of 16 tokens; both workers idle and caching nothing.
+        // At the prior's 120 ms per 1,000 tokens a block takes 1.92 ms, so the prefill
+        // takes 192 ms. W1 sees a returning request every 10 ms, W2 every 100 ms.
+        let busy = Candidate {
+            returns_per_ms: 0.1,
+            ..cand(1, 0, 0)
+        };
+        let quiet = Candidate {
+            returns_per_ms: 0.01,
+            ..cand(2, 0, 0)
+        };
+        let cfg = CostConfig {
+            return_weight: 1.0,
+            ..CostConfig::default()
+        };
+        let s = score(&cfg, 1600, 16, &[busy, quiet]);
+        // rate × t² / 2, in blocks: 0.1 × 192² / 2 ms / 1.92 ms = 960 blocks at W1, 96
+        // at W2.
+        for (sc, want) in s.iter().zip([960.0, 96.0]) {
+            assert!((sc.returning_delay - want).abs() < 1e-9, "{sc:?}");
+            let base = 32.0 * (100.0 + 4.0 * 100.0);
+            assert!((sc.cost - (base + 32.0 * want)).abs() < 1e-6);
+        }
+        assert_eq!(choose(&cfg, &s, &mut Rng::new(1)), Some(1));
+        // Off by default, and nothing for what is cached: a turn found whole at W1 stays.
+        let s = score(&CostConfig::default(), 1600, 16, &[busy, quiet]);
+        assert_eq!(s[0].returning_delay, 0.0);
+        assert_eq!(s[0].cost, s[1].cost);
+        let home = Candidate {
+            returns_per_ms: 0.1,
+            ..cand(1, 100, 0)
+        };
+        let s = score(&cfg, 1600, 16, &[home, quiet]);
+        assert_eq!(s[0].returning_delay, 0.0);
+        assert_eq!(choose(&cfg, &s, &mut Rng::new(1)), Some(0));
+        // In time: the same delay in ms, with the candidate's own prefill model.
+        let time = CostConfig {
+            return_weight: 1.0,
+            ..CostConfig::time()
+        };
+        let m = [0.0, 120.0, 0.0];
+        let busy = Candidate {
+            prefill_model: m,
+            ..busy
+        };
+        let s = score(&time, 1600, 16, &[busy]);
+        let t = crate::prefill::predict_ms(&m, 1600, 0);
+        assert!((s[0].returning_delay - 0.1 * t * t / 2.0).abs() < 1e-9);
+        // The weights are checked.
+        for bad in [
+            CostConfig {
+                return_weight: -1.0,
+                ..CostConfig::default()
+            },
+            CostConfig {
+                return_window_secs: 0.0,
+                ..CostConfig::default()
+            },
+        ] {
+            assert!(bad.check().is_err());
+        }
     }
 
     #[test]
