@@ -79,6 +79,13 @@ pub(crate) struct BenchArgs {
     /// (0: off).
     #[arg(long, default_value_t = CostConfig::default().saturation_weight)]
     saturation_weight: f64,
+    /// Our policies' weight of the delay a request's uncached prefill adds to the requests
+    /// expected to return to a worker meanwhile (0: off; `core::returns`).
+    #[arg(long, default_value_t = CostConfig::default().return_weight)]
+    return_weight: f64,
+    /// The decay window of each worker's rate of returning requests, seconds.
+    #[arg(long, default_value_t = CostConfig::default().return_window_secs)]
+    return_window_secs: f64,
     /// Our policies' busy threshold: a worker whose active blocks (those of every request
     /// routed to it and not yet freed) exceed this is left out while another is not, as
     /// `kvrouter serve --max-active-decode-blocks`. Absent: none.
@@ -180,6 +187,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             temperature: args.temperature,
             credit_inflight: args.credit_inflight,
             saturation_weight: args.saturation_weight,
+            return_weight: args.return_weight,
+            return_window_secs: args.return_window_secs,
             max_active_decode_blocks: args.max_active_decode_blocks,
             ..CostConfig::default()
         },

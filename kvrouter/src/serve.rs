@@ -232,6 +232,13 @@ pub(crate) struct ServeArgs {
     /// over the request's own blocks (0: a fixed charge).
     #[arg(long, env = "KVROUTER_SATURATION_WEIGHT")]
     saturation_weight: Option<f64>,
+    /// Weight of the delay a request's uncached prefill adds to the requests expected to
+    /// return to a worker while it runs (0: off).
+    #[arg(long, env = "KVROUTER_RETURN_WEIGHT")]
+    return_weight: Option<f64>,
+    /// Decay window of each worker's rate of returning requests, seconds.
+    #[arg(long, env = "KVROUTER_RETURN_WINDOW_SECS")]
+    return_window_secs: Option<f64>,
     /// With `--cost-formula time`: weight of the delay a prefill adds to each request
     /// decoding on the candidate.
     #[arg(long, env = "KVROUTER_DECODE_DELAY_WEIGHT")]
@@ -379,6 +386,8 @@ pub(crate) struct ServeConfig {
     cost_formula: Formula,
     credit_inflight: bool,
     saturation_weight: f64,
+    return_weight: f64,
+    return_window_secs: f64,
     decode_delay_weight: f64,
     /// With `cost_formula = "time"`: the prefill model of a worker not yet observed
     /// (TOML only).
@@ -464,6 +473,8 @@ impl Default for ServeConfig {
             cost_formula: cost.formula,
             credit_inflight: cost.credit_inflight,
             saturation_weight: cost.saturation_weight,
+            return_weight: cost.return_weight,
+            return_window_secs: cost.return_window_secs,
             decode_delay_weight: CostConfig::time().decode_delay_weight,
             prefill_prior: cost.prior,
             herd_k: 0,
@@ -658,6 +669,8 @@ impl ServeConfig {
             cost_formula,
             credit_inflight,
             saturation_weight,
+            return_weight,
+            return_window_secs,
             decode_delay_weight,
             herd_k,
             router_mode,
@@ -879,6 +892,8 @@ pub(crate) fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         formula: cfg.cost_formula,
         credit_inflight: cfg.credit_inflight,
         saturation_weight: cfg.saturation_weight,
+        return_weight: cfg.return_weight,
+        return_window_secs: cfg.return_window_secs,
         decode_delay_weight: cfg.decode_delay_weight,
         prior: cfg.prefill_prior,
     };

@@ -363,6 +363,10 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         c.credit_inflight.to_string(),
         "--saturation-weight".to_owned(),
         c.saturation_weight.to_string(),
+        "--return-weight".to_owned(),
+        c.return_weight.to_string(),
+        "--return-window-secs".to_owned(),
+        c.return_window_secs.to_string(),
         "--cost-formula".to_owned(),
         match c.formula {
             Formula::Blocks => "blocks",
