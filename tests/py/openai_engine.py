@@ -8,6 +8,8 @@ engine (--name) so a test sees where a request went, and its usage reports
 prompt_tokens_details.cached_tokens (--cached). Faults a real engine cannot be made to
 produce on demand come from the request's `user` field:
   "slow"             one token every 200 ms, 200 tokens (for disconnects)
+  "drip"             8 tokens, 400 ms apart (an answer longer than a short idle timeout)
+  "stall"            3 s after each token (an engine gone silent mid-stream)
   "die_after_first"  sends the first chunk, then drops the connection
   "linger"           waits 3 s after [DONE] before ending the chunked body
   "after_done"       sends one more event after [DONE]
@@ -71,7 +73,7 @@ class H(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         mode = req.get("user") or ""
-        ntok = 200 if mode == "slow" else args.tokens
+        ntok = 200 if mode == "slow" else 8 if mode == "drip" else args.tokens
         chat = self.path.endswith("/chat/completions")
         words = [f"{args.name}-t{i} " for i in range(ntok)]
         usage = {"prompt_tokens": 10, "completion_tokens": ntok, "total_tokens": 10 + ntok,
@@ -122,6 +124,10 @@ class H(BaseHTTPRequestHandler):
                     return
                 if mode == "slow":
                     time.sleep(0.2)
+                if mode == "drip":
+                    time.sleep(0.4)
+                if mode == "stall":
+                    time.sleep(3)
             if (req.get("stream_options") or {}).get("include_usage"):
                 chunk({"id": "cmpl-" + (rid or "x"), "object": "chat.completion.chunk", "created": 1,
                        "model": req.get("model"), "choices": [], "usage": usage})

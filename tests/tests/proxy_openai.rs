@@ -6,13 +6,17 @@
 use std::time::Duration;
 
 use kvrouter_core::worker::WorkerDp;
-use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target};
+use kvrouter_io::proxy::{Backend, ModelSpec, ProxyConfig, Target, UpstreamConfig};
 use kvrouter_io::router::{self, RouterConfig, RouterHandle};
 use kvrouter_tests::fleet::wait_until;
 use kvrouter_tests::openai::{MockEngine, card_with_template, sdk, tiny_card};
 use kvrouter_tests::{http, http_response, metric};
 
 fn front(engines: &[&MockEngine]) -> RouterHandle {
+    front_with(engines, UpstreamConfig::default())
+}
+
+fn front_with(engines: &[&MockEngine], upstream: UpstreamConfig) -> RouterHandle {
     let strict = card_with_template(
         "strict",
         "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}{{ m.content }}{% endfor %}",
@@ -51,6 +55,7 @@ fn front(engines: &[&MockEngine]) -> RouterHandle {
                     },
                 ],
                 backend: Backend::Engines(list),
+                upstream,
                 max_body_bytes: 1 << 20,
                 // Every request through the tokenizer threads (the binary's tests keep
                 // the default, where small bodies stay inline).
@@ -390,4 +395,63 @@ fn a_stream_ends_at_its_done_event_and_the_connection_is_reused_after() {
             "kvrouter_proxy_upstream_errors_total{kind=\"after_done\"}",
         ) == 1.0
     });
+}
+
+#[test]
+fn an_engine_silent_past_the_idle_timeout_ends_the_stream_with_an_error() {
+    // Our mock engine: "drip" sends 8 tokens 0.4 s apart (3.2 s in all), "stall" its
+    // first chunk and then nothing for 3 s. The front's idle timeout is 1 s: between two
+    // chunks, not over the whole answer.
+    let a = MockEngine::start("A", &[]);
+    let r = front_with(
+        &[&a],
+        UpstreamConfig {
+            idle_timeout: Duration::from_secs(1),
+            ..UpstreamConfig::default()
+        },
+    );
+    let api = r.addr().to_string();
+    let proxy = r.proxy_addr().expect("the front runs").to_string();
+    let stream = |user: &str| {
+        let body = serde_json::json!({
+            "model": "tiny", "stream": true, "user": user,
+            "messages": [{"role": "user", "content": "hello there"}],
+        });
+        let t = std::time::Instant::now();
+        let resp = http_response(
+            &proxy,
+            "POST",
+            "/v1/chat/completions",
+            &body.to_string(),
+            &[],
+        );
+        (resp, t.elapsed())
+    };
+    let (resp, took) = stream("drip");
+    assert_eq!(resp.status, 200);
+    assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
+    assert!(resp.body.contains("A-t7"), "{:?}", resp.body);
+    assert!(took >= Duration::from_secs(2), "{took:?}");
+    let (resp, took) = stream("stall");
+    assert_eq!(resp.status, 200);
+    assert!(
+        resp.body.contains("the engine sent nothing for too long"),
+        "{:?}",
+        resp.body
+    );
+    assert!(!resp.body.contains("[DONE]"), "{:?}", resp.body);
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
+        "the stream ended after {took:?}"
+    );
+    wait_until("the slot freed", Duration::from_secs(2), || {
+        active_requests(&api) == 0
+    });
+    assert_eq!(
+        metric(
+            &api,
+            "kvrouter_proxy_upstream_errors_total{kind=\"idle_timeout\"}"
+        ),
+        1.0
+    );
 }
