@@ -25,9 +25,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use memchr::memmem;
 use serde::Serialize;
 
 use crate::child::{Reaped, free_port, wait_port};
+use crate::chunked;
 use crate::perf::percentile;
 
 /// One phase of the load.
@@ -227,7 +229,7 @@ fn one(
         let end = match body_at {
             Some(end) => end,
             None => {
-                let Some(end) = find(buf, b"\r\n\r\n") else {
+                let Some(end) = memmem::find(buf, b"\r\n\r\n") else {
                     continue;
                 };
                 anyhow::ensure!(
@@ -242,13 +244,14 @@ fn one(
         // The first byte of the body's first chunk (a relay may split an event across
         // its chunks, so `data:` itself may not have arrived whole yet).
         if ttft.is_none()
-            && find(&buf[end + 4..], b"\r\n").is_some_and(|line| buf.len() > end + 4 + line + 2)
+            && memmem::find(&buf[end + 4..], b"\r\n")
+                .is_some_and(|line| buf.len() > end + 4 + line + 2)
         {
             ttft = Some(t.elapsed().as_nanos() as u64);
         }
         if buf.ends_with(b"\r\n0\r\n\r\n") {
             // Counted in the decoded body, for the same reason.
-            let sse = dechunk(&buf[end + 4..]).context("a malformed chunked body")?;
+            let sse = chunked::dechunk(&buf[end + 4..]).context("a malformed chunked body")?;
             let events = count(&sse, b"data:");
             let done = count(&sse, b"data: [DONE]");
             anyhow::ensure!(events > done, "an answer without data");
@@ -261,28 +264,8 @@ fn one(
     }
 }
 
-/// The payload of a whole chunked body (`None` when its framing is broken).
-fn dechunk(mut body: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(body.len());
-    loop {
-        let line = find(body, b"\r\n")?;
-        let size = std::str::from_utf8(&body[..line]).ok()?;
-        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
-        body = &body[line + 2..];
-        if size == 0 {
-            return Some(out);
-        }
-        out.extend_from_slice(body.get(..size)?);
-        body = body.get(size..)?.strip_prefix(b"\r\n")?;
-    }
-}
-
 fn count(hay: &[u8], needle: &[u8]) -> u64 {
-    hay.windows(needle.len()).filter(|w| *w == needle).count() as u64
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+    memmem::find_iter(hay, needle).count() as u64
 }
 
 /// The request bodies, each with its HTTP head.
@@ -704,14 +687,12 @@ mod tests {
         // A relay re-chunked `data: {...}\n\n` mid-word: the raw bytes hold no whole
         // `data:` for it; the decoded body does.
         let body = b"2\r\nda\r\nf\r\nta: {\"a\":1}\n\nda\r\nc\r\nta: [DONE]\n\n\r\n0\r\n\r\n";
-        let sse = dechunk(body).expect("well framed");
+        let sse = chunked::dechunk(body).expect("well framed");
         assert_eq!(sse, b"data: {\"a\":1}\n\ndata: [DONE]\n\n".to_vec());
         assert_eq!(
             (count(&sse, b"data:"), count(&sse, b"data: [DONE]")),
             (2, 1)
         );
-        assert_eq!(dechunk(b"5\r\nab\r\n0\r\n\r\n"), None);
-        assert_eq!(dechunk(b"zz\r\n"), None);
     }
 
     #[test]

@@ -87,7 +87,7 @@ pub(crate) fn request_with(
             return Err(std::io::Error::other("connection closed"));
         }
         buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+        if let Some(end) = memchr::memmem::find(buf, b"\r\n\r\n") {
             let head = std::str::from_utf8(&buf[..end]).unwrap_or("");
             let len: usize = head
                 .lines()

@@ -33,9 +33,11 @@ use glommio::net::TcpStream as GlommioStream;
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
+use memchr::memmem;
 use serde::Deserialize;
 
 use super::engine::EngineRequest;
+use crate::chunked::{self, Step};
 
 /// The model name the router serves and the client asks for.
 pub const MODEL: &str = "bench";
@@ -164,7 +166,7 @@ async fn read_request(
             .take_while(|&&b| b == b'\r' || b == b'\n')
             .count();
         buf.drain(..blank);
-        if let Some(p) = find(buf, b"\r\n\r\n") {
+        if let Some(p) = memmem::find(buf, b"\r\n\r\n") {
             break p;
         }
         if buf.len() > MAX_HEAD {
@@ -592,7 +594,7 @@ impl<'a> SseReader<'a> {
 
     async fn head(&mut self) -> anyhow::Result<Status> {
         let end = loop {
-            if let Some(p) = find(&self.buf, b"\r\n\r\n") {
+            if let Some(p) = memmem::find(&self.buf, b"\r\n\r\n") {
                 break p;
             }
             self.fill().await?;
@@ -632,30 +634,26 @@ impl<'a> SseReader<'a> {
                 self.ended = *left == 0;
                 Ok(take > 0 || self.ended)
             }
-            None => {
-                let Some(eol) = find(&self.buf, b"\r\n") else {
-                    return Ok(false);
-                };
-                let size_text = String::from_utf8_lossy(&self.buf[..eol]);
-                let size =
-                    usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-                        .with_context(|| format!("a malformed chunk size {size_text:?}"))?;
-                if self.buf.len() < eol + 2 + size + 2 {
-                    return Ok(false);
+            None => match chunked::step(&self.buf)? {
+                Step::More => Ok(false),
+                Step::Chunk { data, used } => {
+                    self.body.extend_from_slice(&self.buf[data]);
+                    self.buf.drain(..used);
+                    Ok(true)
                 }
-                self.body
-                    .extend_from_slice(&self.buf[eol + 2..eol + 2 + size]);
-                self.buf.drain(..eol + 2 + size + 2);
-                self.ended = size == 0;
-                Ok(true)
-            }
+                Step::End { used } => {
+                    self.buf.drain(..used);
+                    self.ended = true;
+                    Ok(true)
+                }
+            },
         }
     }
 
     /// The next `data:` payload; `None` at the body's end.
     async fn next_event(&mut self) -> anyhow::Result<Option<String>> {
         loop {
-            if let Some(p) = find(&self.body, b"\n\n") {
+            if let Some(p) = memmem::find(&self.body, b"\n\n") {
                 let event: Vec<u8> = self.body.drain(..p + 2).collect();
                 let text = String::from_utf8_lossy(&event);
                 if let Some(data) = text.trim().strip_prefix("data:") {
@@ -732,10 +730,6 @@ impl<I: Iterator<Item = u32>> Request<'_, I> {
         conn.write_all(&w).await?;
         conn.flush().await
     }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 #[cfg(all(test, not(loom)))]

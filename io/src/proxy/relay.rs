@@ -105,7 +105,7 @@ impl Front {
     /// Counts the cached tokens an engine reports in an answer's `usage` (a JSON body, or
     /// the `data:` lines of a stream chunk).
     fn usage(&self, bytes: &[u8]) {
-        if memchr(bytes, b"cached_tokens").is_none() {
+        if memchr::memmem::find(bytes, b"cached_tokens").is_none() {
             return;
         }
         let seen = |v: &Json| {
@@ -130,10 +130,6 @@ impl Front {
             }
         }
     }
-}
-
-fn memchr(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// Counts a request in flight until dropped.
