@@ -24,6 +24,10 @@ pub(crate) struct Malformed(String);
 /// The chunk at the start of `buf`.
 pub(crate) fn step(buf: &[u8]) -> Result<Step, Malformed> {
     let bad = || Malformed(String::from_utf8_lossy(&buf[..buf.len().min(32)]).into_owned());
+    // `httparse` reads a line with no digits as size 0, the last chunk: refuse it.
+    if buf.first().is_some_and(|b| !b.is_ascii_hexdigit()) {
+        return Err(bad());
+    }
     let (line, size) = match httparse::parse_chunk_size(buf) {
         Ok(httparse::Status::Complete(c)) => c,
         Ok(httparse::Status::Partial) => return Ok(Step::More),
@@ -31,18 +35,19 @@ pub(crate) fn step(buf: &[u8]) -> Result<Step, Malformed> {
     };
     let size = usize::try_from(size).map_err(|_| bad())?;
     let end = line.checked_add(size).ok_or_else(bad)?;
-    if buf.len() < end + 2 {
+    let used = end.checked_add(2).ok_or_else(bad)?;
+    if buf.len() < used {
         return Ok(Step::More);
     }
-    if &buf[end..end + 2] != b"\r\n" {
+    if &buf[end..used] != b"\r\n" {
         return Err(bad());
     }
     Ok(if size == 0 {
-        Step::End { used: end + 2 }
+        Step::End { used }
     } else {
         Step::Chunk {
             data: line..end,
-            used: end + 2,
+            used,
         }
     })
 }
@@ -97,6 +102,11 @@ mod tests {
         assert!(step(b"2\r\nabc\r\n").is_err());
         assert!(step(b"zz\r\n").is_err());
         assert!(step(b"ffffffffffffffffff\r\n").is_err());
+        // Sizes that would run past the end of memory, lines with no size at all.
+        assert!(step(b"ffffffffffffffed\r\n").is_err());
+        assert!(step(b"ffffffffffffffee\r\n").is_err());
+        assert!(step(b"\r\n\r\n").is_err());
+        assert!(step(b";x\r\n\r\n").is_err());
         // A body that stops after a whole chunk has not ended.
         assert_eq!(dechunk(b"5\r\nab\r\n0\r\n\r\n"), None);
     }

@@ -673,7 +673,9 @@ impl Decider {
             blocks: blocks.into_owned(),
         });
         if let Some(r) = &mut self.returns {
-            // Returning in proportion to the share of it the worker holds.
+            // Returning in proportion to the share of it the worker holds. A front that
+            // retries elsewhere routes again, so the first worker keeps its count too (as
+            // the approximate records do).
             let share = credited_tokens as f64 / route.tokens.max(1) as f64;
             r.record(worker, share, now_ms);
         }

@@ -12,11 +12,16 @@
 //! fresh_prefill_blocks    = max(request_tokens / block_size - overlap_credit_blocks, 0)
 //! fresh_weight            = new_block_weight
 //!                         * (1 + saturation_weight * least_queued_blocks / request_blocks)
-//! cost = prefill_load_scale * (adjusted_prefill_blocks + fresh_weight * fresh_prefill_blocks)
+//! returning_delay         = return_weight * returns_per_ms * block_ms
+//!                         * fresh_prefill_blocks^2 / 2
+//! cost = prefill_load_scale * (adjusted_prefill_blocks + fresh_weight * fresh_prefill_blocks
+//!                              + returning_delay)
 //!      + decode_blocks
 //! ```
 //!
-//! where `device_overlap_blocks` is, with `credit_inflight`, the larger of the index's
+//! (`returning_delay` is 0 unless `return_weight` is set: "What neither formula sees yet"
+//! below; `block_ms` is the prior's price of a block's prefill) where
+//! `device_overlap_blocks` is, with `credit_inflight`, the larger of the index's
 //! prefix and the one the worker's active requests hold (below), `least_queued_blocks` is
 //! the least `active_prefill_tokens / block_size` over the candidates, and `decode_blocks` is
 //! the worker's potential active blocks (its active blocks plus
@@ -260,7 +265,8 @@ impl Default for CostConfig {
 impl CostConfig {
     /// Checks the weights: the credits (`overlap_score_credit`, `host_cache_hit_weight`,
     /// `disk_cache_hit_weight`, `shared_cache_multiplier`) in [0, 1] as Dynamo 1.6.1 checks
-    /// them, every other weight finite and at least 0; the error names the first bad one.
+    /// them, `prior.variance` and `return_window_secs` finite and above 0, every other
+    /// weight finite and at least 0; the error names the first bad one.
     pub fn check(&self) -> Result<(), CostError> {
         for (name, value) in [
             ("overlap_score_credit", self.overlap_score_credit),
@@ -556,7 +562,11 @@ pub fn score(
                     // `prefill_load_scale`, as in the block formula.
                     let block_ms = m[1].max(0.0) * bs / 1e3;
                     let memory = block_ms / cfg.prefill_load_scale.max(1e-9) * decode;
-                    returning_delay = returning(prefill);
+                    // A turn found whole prefills nothing (the model's per-request base
+                    // is not a prefill that holds anyone up).
+                    if request_tokens > cached {
+                        returning_delay = returning(prefill);
+                    }
                     (
                         prefill,
                         ttft,
@@ -888,6 +898,13 @@ mod tests {
         let s = score(&time, 1600, 16, &[busy]);
         let t = crate::prefill::predict_ms(&m, 1600, 0);
         assert!((s[0].returning_delay - 0.1 * t * t / 2.0).abs() < 1e-9);
+        // A turn found whole is charged nothing there either (no per-request base).
+        let home = Candidate {
+            prefill_model: [20.0, 120.0, 1.0],
+            ..home
+        };
+        let s = score(&time, 1600, 16, &[home]);
+        assert_eq!(s[0].returning_delay, 0.0);
         // The weights are checked.
         for bad in [
             CostConfig {

@@ -202,7 +202,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         remember_ms: args.remember_secs.saturating_mul(1000),
     };
     cfg.cost.check().context(
-        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --shared-cache-multiplier, --temperature, --saturation-weight)",
+        "invalid cost weights (--overlap-credit, --prefill-load-scale, --new-block-weight, --host-cache-hit-weight, --shared-cache-multiplier, --temperature, --saturation-weight, --return-weight, --return-window-secs)",
     )?;
     cfg.time
         .check()

@@ -8,8 +8,8 @@ engine (--name) so a test sees where a request went, and its usage reports
 prompt_tokens_details.cached_tokens (--cached). Faults a real engine cannot be made to
 produce on demand come from the request's `user` field:
   "slow"             one token every 200 ms, 200 tokens (for disconnects)
-  "drip"             8 tokens, 400 ms apart (an answer longer than a short idle timeout)
-  "stall"            3 s after each token (an engine gone silent mid-stream)
+  "drip"             8 tokens, 300 ms apart (an answer longer than a short idle timeout)
+  "stall"            8 s after each token (an engine gone silent mid-stream)
   "die_after_first"  sends the first chunk, then drops the connection
   "linger"           waits 3 s after [DONE] before ending the chunked body
   "after_done"       sends one more event after [DONE]
@@ -125,9 +125,9 @@ class H(BaseHTTPRequestHandler):
                 if mode == "slow":
                     time.sleep(0.2)
                 if mode == "drip":
-                    time.sleep(0.4)
+                    time.sleep(0.3)
                 if mode == "stall":
-                    time.sleep(3)
+                    time.sleep(8)
             if (req.get("stream_options") or {}).get("include_usage"):
                 chunk({"id": "cmpl-" + (rid or "x"), "object": "chat.completion.chunk", "created": 1,
                        "model": req.get("model"), "choices": [], "usage": usage})
