@@ -72,6 +72,24 @@ fn front_with(engines: &[&MockEngine], upstream: UpstreamConfig) -> RouterHandle
     .expect("the router starts")
 }
 
+/// A streamed chat request through the front with `user` set (our mock engine's fault
+/// modes), read whole; and how long it took.
+fn chat_stream(proxy: &str, user: &str) -> (kvrouter_tests::Response, Duration) {
+    let body = serde_json::json!({
+        "model": "tiny", "stream": true, "user": user,
+        "messages": [{"role": "user", "content": "hello there"}],
+    });
+    let t = std::time::Instant::now();
+    let resp = http_response(
+        proxy,
+        "POST",
+        "/v1/chat/completions",
+        &body.to_string(),
+        &[],
+    );
+    (resp, t.elapsed())
+}
+
 fn active_requests(api: &str) -> u64 {
     let (_, body) = http(api, "GET", "/v1/workers", "", &[]);
     let v: serde_json::Value = serde_json::from_str(&body).expect("json");
@@ -337,21 +355,7 @@ fn a_stream_ends_at_its_done_event_and_the_connection_is_reused_after() {
     let r = front(&[&a]);
     let api = r.addr().to_string();
     let proxy = r.proxy_addr().expect("the front runs").to_string();
-    let stream = |user: &str| {
-        let body = serde_json::json!({
-            "model": "tiny", "stream": true, "user": user,
-            "messages": [{"role": "user", "content": "hello there"}],
-        });
-        let t = std::time::Instant::now();
-        let resp = http_response(
-            &proxy,
-            "POST",
-            "/v1/chat/completions",
-            &body.to_string(),
-            &[],
-        );
-        (resp, t.elapsed())
-    };
+    let stream = |user: &str| chat_stream(&proxy, user);
     let (resp, took) = stream("linger");
     assert_eq!(resp.status, 200);
     assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
@@ -412,21 +416,7 @@ fn an_engine_silent_past_the_idle_timeout_ends_the_stream_with_an_error() {
     );
     let api = r.addr().to_string();
     let proxy = r.proxy_addr().expect("the front runs").to_string();
-    let stream = |user: &str| {
-        let body = serde_json::json!({
-            "model": "tiny", "stream": true, "user": user,
-            "messages": [{"role": "user", "content": "hello there"}],
-        });
-        let t = std::time::Instant::now();
-        let resp = http_response(
-            &proxy,
-            "POST",
-            "/v1/chat/completions",
-            &body.to_string(),
-            &[],
-        );
-        (resp, t.elapsed())
-    };
+    let stream = |user: &str| chat_stream(&proxy, user);
     let (resp, took) = stream("drip");
     assert_eq!(resp.status, 200);
     assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
