@@ -16,7 +16,6 @@
 //! Sample inputs for fresh clones live in `bench/data/` (see its README).
 
 mod child;
-mod chunked;
 pub mod concurrent;
 #[cfg(feature = "dynamo")]
 pub mod dynamo;

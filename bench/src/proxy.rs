@@ -25,11 +25,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use kvrouter_io::http::chunked;
 use memchr::memmem;
 use serde::Serialize;
 
 use crate::child::{Reaped, free_port, wait_port};
-use crate::chunked;
 use crate::perf::percentile;
 
 /// One phase of the load.

@@ -1,5 +1,6 @@
 //! Shared helpers for the workspace-level tests.
 
+use kvrouter_io::http::chunked::{Step, step as chunk_step};
 use std::path::PathBuf;
 
 pub mod engine;
@@ -324,18 +325,14 @@ pub fn http_response(
         .iter()
         .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
     let body = if chunked {
-        let mut out = String::new();
-        let mut rest = rest;
-        while let Some((size, tail)) = rest.split_once("\r\n") {
-            let n =
-                usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
-            if n == 0 || tail.len() < n {
-                break;
-            }
-            out.push_str(&tail[..n]);
-            rest = tail[n..].strip_prefix("\r\n").unwrap_or(&tail[n..]);
+        // What arrived whole: a body cut short or broken is kept up to there.
+        let mut out = Vec::new();
+        let mut rest = rest.as_bytes();
+        while let Ok(Step::Chunk { data, used }) = chunk_step(rest) {
+            out.extend_from_slice(&rest[data]);
+            rest = &rest[used..];
         }
-        out
+        String::from_utf8_lossy(&out).into_owned()
     } else {
         rest.to_owned()
     };

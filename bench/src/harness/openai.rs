@@ -33,11 +33,11 @@ use glommio::net::TcpStream as GlommioStream;
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
+use kvrouter_io::http::chunked::{self, Step};
 use memchr::memmem;
 use serde::Deserialize;
 
 use super::engine::EngineRequest;
-use crate::chunked::{self, Step};
 
 /// The model name the router serves and the client asks for.
 pub const MODEL: &str = "bench";

@@ -32,6 +32,7 @@ use futures_lite::future;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 
+pub mod chunked;
 mod parse;
 
 use parse::{Parsed, parse};

@@ -1,28 +1,37 @@
-//! HTTP/1.1 chunked bodies as our load generators read them (`kvrouter-bench proxy` and
-//! the harness's OpenAI client): sans I/O, one chunk at a time from the bytes read so far,
-//! each chunk-size line parsed by `httparse`. Trailers are not expected (neither the front
-//! nor the engines send any): the last chunk is `0\r\n\r\n`.
+//! HTTP/1.1 chunked bodies as a client reads them (the load generators of `kvrouter-bench`,
+//! the harness's OpenAI client, the tests' HTTP helper; the front's own client is hyper's):
+//! sans I/O, one chunk at a time from the bytes read so far, each chunk-size line parsed
+//! by `httparse`. Trailers are not expected (neither the front nor the engines send any):
+//! the last chunk is `0\r\n\r\n`.
 
 use std::ops::Range;
 
 /// What the start of a buffer holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Step {
+pub enum Step {
     /// Not a whole chunk yet: read more.
     More,
     /// A chunk: its payload's bytes, and the bytes it takes with its framing.
-    Chunk { data: Range<usize>, used: usize },
-    /// The last chunk, taking `used` bytes: the body ends.
-    End { used: usize },
+    Chunk {
+        /// The payload.
+        data: Range<usize>,
+        /// The chunk with its framing.
+        used: usize,
+    },
+    /// The last chunk: the body ends.
+    End {
+        /// The last chunk with its framing.
+        used: usize,
+    },
 }
 
 /// A chunk's framing is broken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("a malformed chunked body near {0:?}")]
-pub(crate) struct Malformed(String);
+pub struct Malformed(String);
 
 /// The chunk at the start of `buf`.
-pub(crate) fn step(buf: &[u8]) -> Result<Step, Malformed> {
+pub fn step(buf: &[u8]) -> Result<Step, Malformed> {
     let bad = || Malformed(String::from_utf8_lossy(&buf[..buf.len().min(32)]).into_owned());
     // `httparse` reads a line with no digits as size 0, the last chunk: refuse it.
     if buf.first().is_some_and(|b| !b.is_ascii_hexdigit()) {
@@ -54,7 +63,7 @@ pub(crate) fn step(buf: &[u8]) -> Result<Step, Malformed> {
 
 /// The payload of a whole chunked body (`None` when its framing is broken or it does not
 /// end).
-pub(crate) fn dechunk(mut body: &[u8]) -> Option<Vec<u8>> {
+pub fn dechunk(mut body: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(body.len());
     loop {
         match step(body).ok()? {
