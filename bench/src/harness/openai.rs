@@ -33,7 +33,10 @@ use glommio::net::TcpStream as GlommioStream;
 use kvrouter_core::hash::{
     HashOptions, LocalBlockHash, SequenceBlockHash, local_block_hashes, sequence_hashes,
 };
-use kvrouter_io::http::chunked::{self, Step};
+use kvrouter_io::http::{
+    self,
+    chunked::{self, Step},
+};
 use memchr::memmem;
 use serde::Deserialize;
 
@@ -149,55 +152,35 @@ async fn read_more(conn: &mut GlommioStream, buf: &mut Vec<u8>) -> std::io::Resu
     Ok(n? > 0)
 }
 
-/// One HTTP/1.1 request's first line and body, the bytes after it left in `buf`; `None`
-/// at a clean end of the connection.
+/// The next request on the connection, framed by the routing API's parser
+/// (`kvrouter_io::http::parse`: heads up to 64 KiB, here bodies up to 256 MiB), or the
+/// answer that refuses it; the bytes after it stay in `buf`. `None` at a clean end of
+/// the connection.
 async fn read_request(
     conn: &mut GlommioStream,
     buf: &mut Vec<u8>,
-) -> std::io::Result<Option<(String, Vec<u8>)>> {
-    // Larger heads and bodies are not requests of the harness: the connection is closed.
-    const MAX_HEAD: usize = 64 << 10;
-    const MAX_BODY: usize = 256 << 20;
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
-    let end = loop {
-        // Empty lines before a request line are ignored (RFC 9112, 2.2).
-        let blank = buf
-            .iter()
-            .take_while(|&&b| b == b'\r' || b == b'\n')
-            .count();
-        buf.drain(..blank);
-        if let Some(p) = memmem::find(buf, b"\r\n\r\n") {
-            break p;
-        }
-        if buf.len() > MAX_HEAD {
-            return Err(bad("request head over 64 KiB"));
-        }
-        if !read_more(conn, buf).await? {
-            if buf.iter().all(u8::is_ascii_whitespace) {
-                return Ok(None);
-            }
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
+) -> std::io::Result<Option<Result<http::Request, http::Response>>> {
+    let cfg = http::HttpConfig {
+        max_body_bytes: 256 << 20,
+        ..http::HttpConfig::default()
     };
-    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-    buf.drain(..end + 4);
-    let mut lines = head.split("\r\n");
-    let first = lines.next().unwrap_or("").to_owned();
-    let len = lines
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0usize);
-    if len > MAX_BODY {
-        return Err(bad("request body over 256 MiB"));
-    }
-    while buf.len() < len {
-        if !read_more(conn, buf).await? {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+    loop {
+        match http::parse(buf, &cfg) {
+            http::Parsed::Request(req, used, _) => {
+                buf.drain(..used);
+                return Ok(Some(Ok(req)));
+            }
+            http::Parsed::Reject(r) => return Ok(Some(Err(r))),
+            http::Parsed::Need { .. } => {
+                if !read_more(conn, buf).await? {
+                    if buf.iter().all(u8::is_ascii_whitespace) {
+                        return Ok(None);
+                    }
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+            }
         }
     }
-    let rest = buf.split_off(len);
-    Ok(Some((first, std::mem::replace(buf, rest))))
 }
 
 fn chunk(w: &mut Vec<u8>, s: &str) {
@@ -271,8 +254,19 @@ async fn engine_conn(
 ) -> std::io::Result<()> {
     conn.set_nodelay(true)?;
     let mut buf = Vec::new();
-    while let Some((head, body)) = read_request(&mut conn, &mut buf).await? {
-        if !head.starts_with("POST /v1/completions ") {
+    while let Some(req) = read_request(&mut conn, &mut buf).await? {
+        let req = match req {
+            Ok(req) => req,
+            Err(refused) => {
+                // Its framing is broken: answered, and the connection closed.
+                let mut out = Vec::new();
+                http::write_response(&mut out, &refused, false);
+                conn.write_all(&out).await?;
+                return conn.flush().await;
+            }
+        };
+        let body = req.body;
+        if req.method != "POST" || req.path != "/v1/completions" {
             respond(
                 &mut conn,
                 "404 Not Found",

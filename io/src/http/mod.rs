@@ -35,7 +35,7 @@ use glommio::net::{TcpListener, TcpStream};
 pub mod chunked;
 mod parse;
 
-use parse::{Parsed, parse};
+pub use parse::{Parsed, parse};
 
 /// Limits of the server.
 #[derive(Debug, Clone)]
@@ -271,7 +271,8 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-fn write_response(out: &mut Vec<u8>, r: &Response, keep_alive: bool) {
+/// Appends `r` as an HTTP/1.1 answer to `out`.
+pub fn write_response(out: &mut Vec<u8>, r: &Response, keep_alive: bool) {
     use std::io::Write;
     let _ = write!(
         out,

@@ -13,9 +13,12 @@ use super::{HttpConfig, Request, Response};
 
 /// What parsing the buffered bytes gave.
 #[derive(Debug)]
-pub(crate) enum Parsed {
+pub enum Parsed {
     /// More bytes are needed; `head_done`: the header block is complete (a body is due).
-    Need { head_done: bool },
+    Need {
+        /// The header block is complete.
+        head_done: bool,
+    },
     /// A whole request, the bytes it used, and whether the connection stays open.
     Request(Request, usize, bool),
     /// A request that is answered with this and the connection closed.
@@ -52,7 +55,9 @@ fn request_line_len(buf: &[u8]) -> Option<usize> {
     buf.iter().position(|&b| b == b'\n')
 }
 
-pub(crate) fn parse(buf: &[u8], cfg: &HttpConfig) -> Parsed {
+/// The request at the start of `buf`, framed strictly (the module docs), within `cfg`'s
+/// sizes.
+pub fn parse(buf: &[u8], cfg: &HttpConfig) -> Parsed {
     match request_line_len(buf) {
         Some(n) if n > cfg.max_target_bytes + 16 => return reject(414, "request target too long"),
         None if buf.len() > cfg.max_target_bytes + 16 => {
