@@ -274,6 +274,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
         print!("{}", harness::report::table(reports));
         print!("{}", harness::utilisation_lines(reports));
+        print!("{}", harness::lateness_lines(reports));
     }
     if speeds.len() > 1 {
         println!("load sweep (TTFT mean and p99 at each speed):");

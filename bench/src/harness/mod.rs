@@ -12,14 +12,15 @@
 pub mod engine;
 pub mod net;
 pub mod openai;
+pub mod pacing;
 pub mod report;
 pub mod sim;
 pub mod trace;
 
 pub use engine::EngineConfig;
 pub use report::{
-    PolicyReport, Utilisation, WorkerUtilisation, sweep_table, utilisation_lines, write_json,
-    write_outcomes_csv, write_svg, write_sweep_json, write_sweep_svg,
+    PolicyReport, Utilisation, WorkerUtilisation, lateness_lines, sweep_table, utilisation_lines,
+    write_json, write_outcomes_csv, write_svg, write_sweep_json, write_sweep_svg,
 };
 pub use sim::{Ideals, Policy, SimConfig, simulate};
 pub use trace::{

@@ -34,6 +34,7 @@ use serde::{Deserialize, Serialize};
 
 use super::engine::{Engine, EngineConfig, EngineRequest};
 use super::openai::{self, HttpJob, Tok};
+use super::pacing::{Lateness, LatenessSummary, Pacer};
 use super::report::{PolicyReport, RequestOutcome};
 use super::sim::{Ideals, Policy, SimConfig};
 use super::trace::TraceRequest;
@@ -75,6 +76,9 @@ pub struct Progress {
     /// With `ready`, in the OpenAI mode: the port of the engine's OpenAI API.
     #[serde(default)]
     pub port: Option<u16>,
+    /// Sent each time the engine runs out of work: how late its steps ran so far.
+    #[serde(default)]
+    pub late: Option<Lateness>,
 }
 
 fn job_subject(ns: &str, w: usize) -> String {
@@ -183,6 +187,9 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
         .await?;
     client.flush(Duration::from_secs(5)).await?;
     let mut engine = Engine::new(worker_id, p.engine);
+    let mut pacer = Pacer::default();
+    // Requests finished, and whether a step ran since the lateness was last sent.
+    let (mut finished, mut stepped) = (0u64, false);
     // Per running request: time of its latest token, sum of gaps, tokens.
     let mut tokens: HashMap<usize, (Instant, f64, u32)> = HashMap::new();
     let mut bad_jobs = 0u64;
@@ -196,38 +203,55 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
         };
     // The OpenAI mode's connections, by request.
     let mut conns: HashMap<usize, flume::Sender<Tok>> = HashMap::new();
+    let take = |j: HttpJob, engine: &mut Engine, conns: &mut HashMap<_, _>| {
+        conns.insert(j.request.id, j.tokens);
+        engine.submit(j.request);
+    };
     loop {
         if p.openai {
-            let mut take = |j: HttpJob, engine: &mut Engine| {
-                conns.insert(j.request.id, j.tokens);
-                engine.submit(j.request);
-            };
             while let Ok(j) = http.try_recv() {
-                take(j, &mut engine);
-            }
-            if !engine.busy() {
-                match http.recv_async().await {
-                    Ok(j) => take(j, &mut engine),
-                    Err(_) => return Ok(()),
-                }
-                continue;
+                take(j, &mut engine, &mut conns);
             }
         } else {
             while let Some(m) = jobs.try_next() {
                 submit(&mut engine, &m.payload);
             }
-            if !engine.busy() {
+        }
+        if !engine.busy() {
+            pacer.idle();
+            if stepped {
+                stepped = false;
+                let idle = Progress {
+                    w: p.index,
+                    hit: engine.hit_blocks,
+                    prompt: engine.prompt_blocks,
+                    late: Some(pacer.lateness(finished)),
+                    ..Progress::default()
+                };
+                client
+                    .publish(&progress, &serde_json::to_vec(&idle)?)
+                    .await?;
+            }
+            if p.openai {
+                match http.recv_async().await {
+                    Ok(j) => take(j, &mut engine, &mut conns),
+                    Err(_) => return Ok(()),
+                }
+            } else {
                 match jobs.next().await {
                     Some(m) => submit(&mut engine, &m.payload),
                     None => return Ok(()),
                 }
-                continue;
             }
+            continue;
         }
         let Some((ms, out)) = engine.step() else {
             continue;
         };
-        glommio::timer::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+        stepped = true;
+        finished += out.finished.len() as u64;
+        let end = pacer.step(Instant::now(), ms);
+        glommio::timer::sleep(end.saturating_duration_since(Instant::now())).await;
         for e in engine.take_events() {
             publisher
                 .publish(e.event.dp_rank, vec![e.event.data])
@@ -608,7 +632,7 @@ pub fn run_networked(
             .into_iter()
             .collect::<Option<Vec<u16>>>()
             .context("an engine did not report its OpenAI port")?;
-        let out = run_openai(trace, policy, cfg, ideals, &ns, &ports, progress);
+        let out = run_openai(trace, policy, cfg, ideals, &ns, &ports, &nats, progress);
         drop(engines);
         drop(nats);
         return out;
@@ -629,6 +653,9 @@ pub fn run_networked(
 
     let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
     let mut in_flight = vec![0u64; n];
+    // Requests sent to each engine, and each engine's latest lateness.
+    let mut sent = vec![0u64; n];
+    let mut late: Vec<Option<Lateness>> = vec![None; n];
     let mut rng = Rng::new(cfg.sim.seed);
     let mut rr = 0usize;
     let mut hits = vec![(0u64, 0u64); n];
@@ -675,6 +702,7 @@ pub fn run_networked(
                 }
             };
             in_flight[w] += 1;
+            sent[w] += 1;
             recs[i] = Some(RequestOutcome {
                 request: i,
                 input_tokens: r.input_length,
@@ -715,6 +743,9 @@ pub fn run_networked(
                 let at = now_ms();
                 if p.w < n {
                     hits[p.w] = (p.hit, p.prompt);
+                    if p.late.is_some() {
+                        late[p.w] = p.late;
+                    }
                 }
                 for id in p.first {
                     if let Some(Some(rec)) = recs.get_mut(id) {
@@ -756,19 +787,53 @@ pub fn run_networked(
     }
     progress(completed);
     let span_s = now_ms() / 1000.0;
+    let lateness = engine_lateness(&nats.progress, late, &sent);
     drop(router);
     drop(engines);
     drop(nats);
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
     let hits = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
-    Ok(PolicyReport::from_outcomes(
-        policy.name(),
-        outcomes,
-        n,
-        span_s,
-        hits,
-        *ideals,
-    ))
+    let mut report = PolicyReport::from_outcomes(policy.name(), outcomes, n, span_s, hits, *ideals);
+    report.engine_lateness = lateness;
+    Ok(report)
+}
+
+/// The engines' step lateness over the run: waits (a few seconds at most) until each
+/// engine has reported on every request it was `sent`, then adds them up. `late` holds
+/// the reports already read.
+fn engine_lateness(
+    progress: &flume::Receiver<Vec<u8>>,
+    mut late: Vec<Option<Lateness>>,
+    sent: &[u64],
+) -> Option<LatenessSummary> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let behind = |late: &[Option<Lateness>]| {
+        sent.iter()
+            .zip(late)
+            .filter(|&(&s, l)| s > 0 && l.as_ref().is_none_or(|l| l.finished < s))
+            .count()
+    };
+    while behind(&late) > 0 {
+        let Ok(m) = progress.recv_deadline(deadline) else {
+            tracing::warn!(
+                engines = behind(&late),
+                "bench: engines did not report their lateness; the figure leaves them out"
+            );
+            break;
+        };
+        if let Ok(Progress {
+            w, late: Some(l), ..
+        }) = serde_json::from_slice::<Progress>(&m)
+            && let Some(slot) = late.get_mut(w)
+        {
+            *slot = Some(l);
+        }
+    }
+    let mut all = Lateness::default();
+    for l in late.iter().flatten() {
+        all.merge(l);
+    }
+    all.summary()
 }
 
 /// The router's flags of the OpenAI mode: its front on `port`, the bench's model card, the
@@ -810,6 +875,7 @@ fn openai_args(policy: Policy, card: &std::path::Path, port: u16, engines: &[u16
 
 /// The OpenAI mode of [`run_networked`], once the engines are up on `ports`: every policy
 /// is decided by the router's front, every request sent to it as a streaming completion.
+#[allow(clippy::too_many_arguments)]
 fn run_openai(
     trace: &[TraceRequest],
     policy: Policy,
@@ -817,6 +883,7 @@ fn run_openai(
     ideals: &Ideals,
     ns: &str,
     ports: &[u16],
+    nats: &NatsSide,
     mut progress: impl FnMut(usize),
 ) -> anyhow::Result<PolicyReport> {
     let n = cfg.sim.workers;
@@ -929,14 +996,16 @@ fn run_openai(
         .map_err(|e| anyhow::anyhow!("the load generator's executor: {e}"))?;
     drop(router);
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
-    Ok(PolicyReport::from_outcomes(
-        policy.name(),
-        outcomes,
-        n,
-        span_s,
-        (hit, prompt),
-        *ideals,
-    ))
+    // The engines' reports waited on NATS while the answers came over HTTP.
+    let mut sent = vec![0u64; n];
+    for o in &outcomes {
+        sent[o.worker] += 1;
+    }
+    let lateness = engine_lateness(&nats.progress, vec![None; n], &sent);
+    let mut report =
+        PolicyReport::from_outcomes(policy.name(), outcomes, n, span_s, (hit, prompt), *ideals);
+    report.engine_lateness = lateness;
+    Ok(report)
 }
 
 #[cfg(all(test, not(loom)))]

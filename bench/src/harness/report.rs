@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::engine::EngineConfig;
+use super::pacing::LatenessSummary;
 use super::sim::Ideals;
 
 /// Mean and percentiles of one latency, ms.
@@ -100,6 +101,9 @@ pub struct PolicyReport {
     /// The busiest and the idlest worker's utilisation over time (`null` in networked
     /// mode).
     pub utilisation: Option<Utilisation>,
+    /// How late the engines' steps started against their timing model (networked mode;
+    /// `null` in-process, where time is virtual).
+    pub engine_lateness: Option<LatenessSummary>,
     /// Sorted TTFTs, ms (for the plot).
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -179,6 +183,28 @@ pub fn utilisation_lines(reports: &[PolicyReport]) -> String {
     s
 }
 
+/// Lines on how late the networked engines ran against their model, for the reports that
+/// say (none in-process).
+pub fn lateness_lines(reports: &[PolicyReport]) -> String {
+    let mut s = String::new();
+    for r in reports {
+        let Some(l) = &r.engine_lateness else {
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "{:<14} engine steps late against the model: p50 {:.2}ms, p99 {:.2}ms, max {:.1}ms, {:.2}% over 1 ms ({} steps)",
+            r.policy,
+            l.p50_ms,
+            l.p99_ms,
+            l.max_ms,
+            l.over_1ms * 100.0,
+            l.steps,
+        );
+    }
+    s
+}
+
 fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(|a, b| a.total_cmp(b));
     v
@@ -244,6 +270,7 @@ impl PolicyReport {
             requests_per_worker,
             completed,
             utilisation: None,
+            engine_lateness: None,
             ttfts: ttft,
             outcomes: Vec::new(),
         }
