@@ -190,6 +190,9 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
     let mut pacer = Pacer::default();
     // Requests finished, and whether a step ran since the lateness was last sent.
     let (mut finished, mut stepped) = (0u64, false);
+    // When the newest request was taken in (a step never starts before it, on the model's
+    // clock).
+    let mut arrived = Instant::now();
     // Per running request: time of its latest token, sum of gaps, tokens.
     let mut tokens: HashMap<usize, (Instant, f64, u32)> = HashMap::new();
     let mut bad_jobs = 0u64;
@@ -211,10 +214,12 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
         if p.openai {
             while let Ok(j) = http.try_recv() {
                 take(j, &mut engine, &mut conns);
+                arrived = Instant::now();
             }
         } else {
             while let Some(m) = jobs.try_next() {
                 submit(&mut engine, &m.payload);
+                arrived = Instant::now();
             }
         }
         if !engine.busy() {
@@ -250,8 +255,16 @@ async fn engine_loop(p: EngineProcess) -> anyhow::Result<()> {
         };
         stepped = true;
         finished += out.finished.len() as u64;
-        let end = pacer.step(Instant::now(), ms);
-        glommio::timer::sleep(end.saturating_duration_since(Instant::now())).await;
+        let end = pacer.step(Instant::now(), arrived, ms);
+        // A timer whose deadline has passed is ready at once and yields nothing: the floor
+        // makes every step a real sleep, so the NATS connection and the HTTP tasks on this
+        // executor run while the engine catches up (the pacer counts the floor as lateness
+        // and makes it up too).
+        glommio::timer::sleep(
+            end.saturating_duration_since(Instant::now())
+                .max(Duration::from_micros(20)),
+        )
+        .await;
         for e in engine.take_events() {
             publisher
                 .publish(e.event.dp_rank, vec![e.event.data])
@@ -655,7 +668,9 @@ pub fn run_networked(
     let mut in_flight = vec![0u64; n];
     // Requests sent to each engine, and each engine's latest lateness.
     let mut sent = vec![0u64; n];
-    let mut late: Vec<Option<Lateness>> = vec![None; n];
+    let mut late = LateReports::new(n);
+    // How late each request was sent against its arrival time.
+    let mut sent_late = Vec::with_capacity(trace.len());
     let mut rng = Rng::new(cfg.sim.seed);
     let mut rr = 0usize;
     let mut hits = vec![(0u64, 0u64); n];
@@ -670,6 +685,7 @@ pub fn run_networked(
         if next < trace.len() && arrival(next) <= now {
             let i = next;
             next += 1;
+            sent_late.push(now - arrival(i));
             let r = &trace[i];
             let w = match (&mut router, policy) {
                 (Some((_, api)), _) => {
@@ -743,10 +759,8 @@ pub fn run_networked(
                 let at = now_ms();
                 if p.w < n {
                     hits[p.w] = (p.hit, p.prompt);
-                    if p.late.is_some() {
-                        late[p.w] = p.late;
-                    }
                 }
+                late.note(&p);
                 for id in p.first {
                     if let Some(Some(rec)) = recs.get_mut(id) {
                         rec.first = Some(at);
@@ -787,7 +801,7 @@ pub fn run_networked(
     }
     progress(completed);
     let span_s = now_ms() / 1000.0;
-    let lateness = engine_lateness(&nats.progress, late, &sent);
+    let lateness = late.finish(&nats.progress, &sent, REPORT_PATIENCE);
     drop(router);
     drop(engines);
     drop(nats);
@@ -795,45 +809,81 @@ pub fn run_networked(
     let hits = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
     let mut report = PolicyReport::from_outcomes(policy.name(), outcomes, n, span_s, hits, *ideals);
     report.engine_lateness = lateness;
+    report.send_lateness = LatenessSummary::of(&sent_late);
     Ok(report)
 }
 
-/// The engines' step lateness over the run: waits (a few seconds at most) until each
-/// engine has reported on every request it was `sent`, then adds them up. `late` holds
-/// the reports already read.
-fn engine_lateness(
-    progress: &flume::Receiver<Vec<u8>>,
-    mut late: Vec<Option<Lateness>>,
-    sent: &[u64],
-) -> Option<LatenessSummary> {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let behind = |late: &[Option<Lateness>]| {
-        sent.iter()
-            .zip(late)
-            .filter(|&(&s, l)| s > 0 && l.as_ref().is_none_or(|l| l.finished < s))
-            .count()
-    };
-    while behind(&late) > 0 {
-        let Ok(m) = progress.recv_deadline(deadline) else {
-            tracing::warn!(
-                engines = behind(&late),
-                "bench: engines did not report their lateness; the figure leaves them out"
-            );
-            break;
-        };
-        if let Ok(Progress {
-            w, late: Some(l), ..
-        }) = serde_json::from_slice::<Progress>(&m)
-            && let Some(slot) = late.get_mut(w)
-        {
-            *slot = Some(l);
+/// How long the harness waits, after a run, for the engines' last lateness reports.
+const REPORT_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The engines' latest lateness reports ([`Progress::late`]), by engine.
+struct LateReports(Vec<Option<Lateness>>);
+
+impl LateReports {
+    fn new(engines: usize) -> Self {
+        LateReports(vec![None; engines])
+    }
+
+    /// Keeps `p`'s report, if it has one (reports from one engine arrive in order).
+    fn note(&mut self, p: &Progress) {
+        if let (Some(l), Some(slot)) = (&p.late, self.0.get_mut(p.w)) {
+            *slot = Some(l.clone());
         }
     }
-    let mut all = Lateness::default();
-    for l in late.iter().flatten() {
-        all.merge(l);
+
+    /// Reads the progress messages waiting on `progress`, keeping their reports.
+    fn drain(&mut self, progress: &flume::Receiver<Vec<u8>>) {
+        for m in progress.try_iter() {
+            self.take(&m);
+        }
     }
-    all.summary()
+
+    fn take(&mut self, m: &[u8]) {
+        match serde_json::from_slice::<Progress>(m) {
+            Ok(p) => self.note(&p),
+            Err(e) => tracing::warn!(error = %e, "bench: malformed progress message dropped"),
+        }
+    }
+
+    /// Engines that have not reported on every request they were `sent`.
+    fn behind(&self, sent: &[u64]) -> usize {
+        sent.iter()
+            .zip(&self.0)
+            .filter(|&(&s, l)| s > 0 && l.as_ref().is_none_or(|l| l.finished < s))
+            .count()
+    }
+
+    /// The run's step lateness: waits (`patience` at most) until each engine has reported on
+    /// every request it was `sent`, takes whatever else is waiting (an engine's last
+    /// report is its latest), then adds them up. An engine that did not report in time is
+    /// counted by what it reported before, and the figure says it is incomplete.
+    fn finish(
+        mut self,
+        progress: &flume::Receiver<Vec<u8>>,
+        sent: &[u64],
+        patience: Duration,
+    ) -> Option<LatenessSummary> {
+        let deadline = Instant::now() + patience;
+        while self.behind(sent) > 0 {
+            match progress.recv_deadline(deadline) {
+                Ok(m) => self.take(&m),
+                Err(_) => break,
+            }
+        }
+        self.drain(progress);
+        let behind = self.behind(sent);
+        if behind > 0 {
+            tracing::warn!(
+                engines = behind,
+                "bench: engines did not report on all their requests; their lateness is partial"
+            );
+        }
+        let mut all = Lateness::default();
+        for l in self.0.iter().flatten() {
+            all.merge(l);
+        }
+        all.summary(behind == 0)
+    }
 }
 
 /// The router's flags of the OpenAI mode: its front on `port`, the bench's model card, the
@@ -904,6 +954,9 @@ fn run_openai(
     let block = u64::from(cfg.sim.engine.block_size);
     let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
     let (mut hit, mut prompt) = (0u64, 0u64);
+    let mut sent_late = Vec::with_capacity(trace.len());
+    // The engines' lateness reports come over NATS while their answers come over HTTP.
+    let mut late = LateReports::new(n);
     let (mut completed, mut next) = (0usize, 0usize);
     let t0 = trace.first().map_or(0, |r| r.timestamp) as f64;
     let arrival = |i: usize| (trace[i].timestamp as f64 - t0) / cfg.sim.speed;
@@ -977,6 +1030,7 @@ fn run_openai(
                     done: Some(a.done_ms),
                     itl: a.itl_ms,
                 });
+                sent_late.push(a.sent_ms - arrival(i));
                 hit += a.cached_tokens / block;
                 prompt += u64::from(trace[i].input_length) / block;
                 completed += 1;
@@ -987,6 +1041,7 @@ fn run_openai(
             Err(flume::RecvTimeoutError::Timeout) => {}
             Err(flume::RecvTimeoutError::Disconnected) => bail!("the load generator stopped"),
         }
+        late.drain(&nats.progress);
     }
     progress(completed);
     let span_s = now_ms() / 1000.0;
@@ -1001,16 +1056,66 @@ fn run_openai(
     for o in &outcomes {
         sent[o.worker] += 1;
     }
-    let lateness = engine_lateness(&nats.progress, vec![None; n], &sent);
+    let lateness = late.finish(&nats.progress, &sent, REPORT_PATIENCE);
     let mut report =
         PolicyReport::from_outcomes(policy.name(), outcomes, n, span_s, (hit, prompt), *ideals);
     report.engine_lateness = lateness;
+    report.send_lateness = LatenessSummary::of(&sent_late);
     Ok(report)
 }
 
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lateness_is_the_latest_report_of_every_engine() {
+        let (tx, rx) = flume::unbounded::<Vec<u8>>();
+        let report = |w: usize, finished: u64, steps: u64| {
+            serde_json::to_vec(&Progress {
+                w,
+                late: Some(Lateness {
+                    finished,
+                    steps,
+                    buckets: vec![(0, steps)],
+                    ..Lateness::default()
+                }),
+                ..Progress::default()
+            })
+            .unwrap()
+        };
+        // Engine 0 was sent 3 requests: an early report, a malformed message, a report
+        // from an engine that does not exist, the last report, and one more message
+        // without a report. Engine 1 was sent nothing.
+        for m in [
+            report(0, 1, 10),
+            b"{not json".to_vec(),
+            report(7, 3, 1),
+            report(0, 3, 40),
+            serde_json::to_vec(&Progress::default()).unwrap(),
+        ] {
+            tx.send(m).unwrap();
+        }
+        let s = LateReports::new(2)
+            .finish(&rx, &[3, 0], Duration::from_secs(5))
+            .unwrap();
+        assert_eq!((s.count, s.complete), (40, true));
+        // An engine that never reports on all it was sent: the wait ends, and the figure
+        // says it is partial.
+        tx.send(report(0, 3, 40)).unwrap();
+        tx.send(report(1, 1, 5)).unwrap();
+        let started = Instant::now();
+        let s = LateReports::new(2)
+            .finish(&rx, &[3, 2], Duration::from_millis(50))
+            .unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        assert_eq!((s.count, s.complete), (45, false));
+        // Nobody reported anything.
+        assert_eq!(
+            LateReports::new(2).finish(&rx, &[0, 0], Duration::from_millis(1)),
+            None
+        );
+    }
 
     /// The value after `flag` in `args`.
     fn value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {

@@ -390,6 +390,8 @@ pub struct Answer {
     pub index: usize,
     /// Worker index (worker id − 1) the front chose.
     pub worker: usize,
+    /// When the load generator took the request up, ms since the run's start.
+    pub sent_ms: f64,
     /// First token, ms since the run's start.
     pub first_ms: f64,
     /// Last event, ms since the run's start.
@@ -488,6 +490,7 @@ impl Client {
         max_tokens: u32,
         start: Instant,
     ) -> anyhow::Result<Answer> {
+        let sent_ms = start.elapsed().as_secs_f64() * 1000.0;
         let (mut conn, first) = self
             .send(&Request {
                 ids: &ids,
@@ -535,6 +538,7 @@ impl Client {
         Ok(Answer {
             index,
             worker,
+            sent_ms,
             first_ms,
             done_ms: last,
             itl_ms: (n > 1).then(|| (last - first_ms) / (n - 1) as f64),

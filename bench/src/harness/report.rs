@@ -104,6 +104,9 @@ pub struct PolicyReport {
     /// How late the engines' steps started against their timing model (networked mode;
     /// `null` in-process, where time is virtual).
     pub engine_lateness: Option<LatenessSummary>,
+    /// How late the harness sent its requests against the trace's arrival times (networked
+    /// mode; a request's TTFT counts from its arrival time, so it includes this).
+    pub send_lateness: Option<LatenessSummary>,
     /// Sorted TTFTs, ms (for the plot).
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -183,24 +186,40 @@ pub fn utilisation_lines(reports: &[PolicyReport]) -> String {
     s
 }
 
-/// Lines on how late the networked engines ran against their model, for the reports that
-/// say (none in-process).
+/// Lines on how late the networked engines ran against their model, and the harness's
+/// requests against the trace, for the reports that say (none in-process).
 pub fn lateness_lines(reports: &[PolicyReport]) -> String {
     let mut s = String::new();
     for r in reports {
-        let Some(l) = &r.engine_lateness else {
-            continue;
-        };
-        let _ = writeln!(
-            s,
-            "{:<14} engine steps late against the model: p50 {:.2}ms, p99 {:.2}ms, max {:.1}ms, {:.2}% over 1 ms ({} steps)",
-            r.policy,
-            l.p50_ms,
-            l.p99_ms,
-            l.max_ms,
-            l.over_1ms * 100.0,
-            l.steps,
-        );
+        for (l, what, unit) in [
+            (
+                &r.engine_lateness,
+                "engine steps late against the model",
+                "steps",
+            ),
+            (
+                &r.send_lateness,
+                "requests sent late against the trace",
+                "requests",
+            ),
+        ] {
+            let Some(l) = l else { continue };
+            let _ = writeln!(
+                s,
+                "{:<14} {what}: p50 {:.2}ms, p99 {:.2}ms, max {:.1}ms, {:.2}% over 1 ms ({} {unit}){}",
+                r.policy,
+                l.p50_ms,
+                l.p99_ms,
+                l.max_ms,
+                l.share_over_1ms * 100.0,
+                l.count,
+                if l.complete {
+                    ""
+                } else {
+                    "; incomplete: an engine did not report on all its requests"
+                },
+            );
+        }
     }
     s
 }
@@ -271,6 +290,7 @@ impl PolicyReport {
             completed,
             utilisation: None,
             engine_lateness: None,
+            send_lateness: None,
             ttfts: ttft,
             outcomes: Vec::new(),
         }
