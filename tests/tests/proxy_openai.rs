@@ -416,13 +416,12 @@ fn an_engine_silent_past_the_idle_timeout_ends_the_stream_with_an_error() {
     );
     let api = r.addr().to_string();
     let proxy = r.proxy_addr().expect("the front runs").to_string();
-    let stream = |user: &str| chat_stream(&proxy, user);
-    let (resp, took) = stream("drip");
+    let (resp, took) = chat_stream(&proxy, "drip");
     assert_eq!(resp.status, 200);
     assert!(resp.body.ends_with("data: [DONE]\n\n"), "{:?}", resp.body);
     assert!(resp.body.contains("A-t7"), "{:?}", resp.body);
     assert!(took >= Duration::from_millis(2100), "{took:?}");
-    let (resp, took) = stream("stall");
+    let (resp, took) = chat_stream(&proxy, "stall");
     assert_eq!(resp.status, 200);
     assert!(
         resp.body.contains("the engine sent nothing for too long"),
