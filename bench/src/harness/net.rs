@@ -685,8 +685,7 @@ pub fn run_networked(
 
     let mut recs: Vec<Option<RequestOutcome>> = (0..trace.len()).map(|_| None).collect();
     let mut in_flight = vec![0u64; n];
-    // Requests sent to each engine, and each engine's latest lateness.
-    let mut sent = vec![0u64; n];
+    // Each engine's latest lateness.
     let mut late = LateReports::new(n);
     // How late each request was sent against its arrival time.
     let mut sent_late = Vec::with_capacity(trace.len());
@@ -739,7 +738,6 @@ pub fn run_networked(
                 }
             };
             in_flight[w] += 1;
-            sent[w] += 1;
             recs[i] = Some(RequestOutcome {
                 request: i,
                 input_tokens: r.input_length,
@@ -822,15 +820,16 @@ pub fn run_networked(
     }
     progress(completed);
     let span_s = now_ms() / 1000.0;
-    let lateness = late.finish(&nats.progress, &sent, REPORT_PATIENCE);
-    drop(router);
-    drop(engines);
-    drop(nats);
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
     let hits = hits.iter().fold((0, 0), |(h, p), x| (h + x.0, p + x.1));
     let mut report = PolicyReport::from_outcomes(policy.name(), outcomes, n, span_s, hits, *ideals);
-    report.engine_lateness = lateness;
+    // Each engine reports on the requests it served (while it still runs).
+    report.engine_lateness =
+        late.finish(&nats.progress, &report.requests_per_worker, REPORT_PATIENCE);
     report.send_lateness = LatenessSummary::of(&sent_late);
+    drop(router);
+    drop(engines);
+    drop(nats);
     Ok(report)
 }
 
@@ -1072,15 +1071,11 @@ fn run_openai(
         .map_err(|e| anyhow::anyhow!("the load generator's executor: {e}"))?;
     drop(router);
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
-    // The engines' reports waited on NATS while the answers came over HTTP.
-    let mut sent = vec![0u64; n];
-    for o in &outcomes {
-        sent[o.worker] += 1;
-    }
-    let lateness = late.finish(&nats.progress, &sent, REPORT_PATIENCE);
     let mut report =
         PolicyReport::from_outcomes(policy.name(), outcomes, n, span_s, (hit, prompt), *ideals);
-    report.engine_lateness = lateness;
+    // The engines' reports waited on NATS while the answers came over HTTP.
+    report.engine_lateness =
+        late.finish(&nats.progress, &report.requests_per_worker, REPORT_PATIENCE);
     report.send_lateness = LatenessSummary::of(&sent_late);
     Ok(report)
 }

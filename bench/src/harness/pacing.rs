@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::report::{pct, sorted};
+
 /// Buckets per doubling: a bucket spans about 9 %.
 const PER_DOUBLING: f64 = 8.0;
 /// Buckets up to 2^24 µs (about 17 s); later values go to the last.
@@ -139,18 +141,17 @@ pub struct LatenessSummary {
 }
 
 impl LatenessSummary {
-    /// The exact figures of `late_ms` (`None` when empty).
+    /// The exact figures of `late_ms`, percentiles as the report takes them for TTFT
+    /// (`None` when empty).
     pub fn of(late_ms: &[f64]) -> Option<Self> {
         if late_ms.is_empty() {
             return None;
         }
-        let mut v = late_ms.to_vec();
-        v.sort_by(f64::total_cmp);
-        let at = |p: f64| v[(((p * v.len() as f64).ceil() as usize).max(1) - 1).min(v.len() - 1)];
+        let v = sorted(late_ms.to_vec());
         Some(LatenessSummary {
             count: v.len() as u64,
-            p50_ms: at(0.5),
-            p99_ms: at(0.99),
+            p50_ms: pct(&v, 0.5),
+            p99_ms: pct(&v, 0.99),
             max_ms: v[v.len() - 1],
             share_over_1ms: v.iter().filter(|&&x| x > 1.0).count() as f64 / v.len() as f64,
             complete: true,
@@ -318,7 +319,8 @@ mod tests {
         let late: Vec<f64> = (0..200).map(|i| f64::from(i) / 100.0).collect();
         let s = LatenessSummary::of(&late).unwrap();
         assert_eq!(s.count, 200);
-        assert_eq!((s.p50_ms, s.p99_ms, s.max_ms), (0.99, 1.97, 1.99));
+        // The report's percentiles: the value at the rounded rank over 199 gaps.
+        assert_eq!((s.p50_ms, s.p99_ms, s.max_ms), (1.0, 1.97, 1.99));
         // 1.01 ms and later: 99 of 200.
         assert!((s.share_over_1ms - 99.0 / 200.0).abs() < 1e-12);
         assert_eq!(LatenessSummary::of(&[]), None);

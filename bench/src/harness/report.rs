@@ -224,7 +224,7 @@ pub fn lateness_lines(reports: &[PolicyReport]) -> String {
     s
 }
 
-fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+pub(super) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(|a, b| a.total_cmp(b));
     v
 }
