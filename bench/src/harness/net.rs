@@ -353,7 +353,7 @@ impl RouterApi {
 /// Writes the route body `{"token_ids":[...],"request_id":"r<request>"}` into `out`,
 /// reused from one request to the next. An agentic prompt's body is megabytes; built as a
 /// `serde_json::Value` and then printed, it took most of the harness thread's time (the
-/// kernel zeroing fresh pages for it half), and requests were sent up to 250 ms late.
+/// kernel zeroing fresh pages for it half), and requests were sent up to 255 ms late.
 fn route_body(out: &mut Vec<u8>, ids: impl Iterator<Item = u32>, request: usize) {
     out.clear();
     out.extend_from_slice(b"{\"token_ids\":[");
