@@ -344,10 +344,179 @@ struct RouterApi {
 }
 
 impl RouterApi {
+    fn connect(addr: &str) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(addr)
+            .with_context(|| format!("connecting to the router at {addr}"))?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+        Ok(RouterApi {
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
     fn call(&mut self, method: &str, path: &str, body: &[u8]) -> anyhow::Result<Vec<u8>> {
         crate::route::request_with(&mut self.stream, &mut self.buf, method, path, "", body)
             .with_context(|| format!("router {method} {path}"))
     }
+}
+
+/// How many route calls the load generator has in flight at most (the NATS mode).
+const ROUTE_CALLS: usize = 4;
+
+/// The load generator's side of the router's API in the NATS mode, as a gateway in front of
+/// a fleet has it. Each request is routed on one of [`ROUTE_CALLS`] threads, each with a
+/// connection of its own, which then sends its job to the chosen engine; the first-token
+/// and free calls go out in order on one more. Routed on the load generator's own thread,
+/// one answer at a time, a request that arrived while the router parsed and hashed another
+/// agentic prompt (megabytes of JSON) waited for that answer, and for the calls ahead of it.
+struct Gateway<'s> {
+    /// Requests to route, by index in the trace.
+    route: flume::Sender<usize>,
+    /// Requests routed, each sent before its job goes out, so before any progress on it; an
+    /// error ends the run.
+    routed: flume::Receiver<anyhow::Result<Routed>>,
+    /// The paths of `first_token` and `free` calls.
+    control: flume::Sender<String>,
+    threads: Vec<std::thread::ScopedJoinHandle<'s, ()>>,
+}
+
+/// A request the router has placed.
+struct Routed {
+    request: usize,
+    /// Engine index.
+    worker: usize,
+    /// How late its route call went out against its arrival time.
+    late_ms: f64,
+}
+
+impl<'s> Gateway<'s> {
+    /// Starts the threads, on `scope`, that call the router at `addr`; `late` says how late
+    /// a request is now.
+    fn start<'e: 's>(
+        scope: &'s std::thread::Scope<'s, 'e>,
+        addr: &'e str,
+        trace: &'e [TraceRequest],
+        ns: &'e str,
+        engines: usize,
+        publish: &flume::Sender<(String, Vec<u8>)>,
+        late: &'e (dyn Fn(usize) -> f64 + Sync),
+    ) -> Self {
+        let (route, queue) = flume::unbounded::<usize>();
+        let (routed_tx, routed) = flume::unbounded();
+        let (control, calls) = flume::unbounded::<String>();
+        let mut threads = Vec::with_capacity(ROUTE_CALLS + 1);
+        for _ in 0..ROUTE_CALLS {
+            let (queue, tx, publish) = (queue.clone(), routed_tx.clone(), publish.clone());
+            threads.push(scope.spawn(move || {
+                let run = || -> anyhow::Result<()> {
+                    let mut api = RouterApi::connect(addr)?;
+                    // The route request's body, reused.
+                    let mut body = Vec::new();
+                    for i in queue.iter() {
+                        let late_ms = late(i);
+                        let worker = route_one(&mut api, &mut body, &trace[i], i, engines)?;
+                        if tx
+                            .send(Ok(Routed {
+                                request: i,
+                                worker,
+                                late_ms,
+                            }))
+                            .is_err()
+                        {
+                            return Ok(());
+                        }
+                        publish
+                            .send(job(ns, &trace[i], i, worker)?)
+                            .map_err(|_| anyhow::anyhow!("NATS side stopped"))?;
+                    }
+                    Ok(())
+                };
+                if let Err(e) = run() {
+                    let _ = tx.send(Err(e));
+                }
+            }));
+        }
+        let tx = routed_tx;
+        threads.push(scope.spawn(move || {
+            let run = || -> anyhow::Result<()> {
+                let mut api = RouterApi::connect(addr)?;
+                for path in calls.iter() {
+                    api.call("POST", &path, b"")?;
+                }
+                Ok(())
+            };
+            if let Err(e) = run() {
+                let _ = tx.send(Err(e));
+            }
+        }));
+        Gateway {
+            route,
+            routed,
+            control,
+            threads,
+        }
+    }
+
+    /// Queues a call of `path` (no body) after those before it.
+    fn call(&self, path: String) -> anyhow::Result<()> {
+        self.control
+            .send(path)
+            .map_err(|_| anyhow::anyhow!("the router's control calls stopped"))
+    }
+
+    /// Lets the threads finish the calls queued and returns the first error any of them met.
+    fn finish(self) -> anyhow::Result<()> {
+        let Gateway {
+            route,
+            routed,
+            control,
+            threads,
+        } = self;
+        drop((route, control));
+        for t in threads {
+            t.join()
+                .map_err(|_| anyhow::anyhow!("a route call thread panicked"))?;
+        }
+        match routed.try_iter().find_map(Result::err) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Routes request `i` over `api`: the engine index the router chose.
+fn route_one(
+    api: &mut RouterApi,
+    body: &mut Vec<u8>,
+    r: &TraceRequest,
+    i: usize,
+    engines: usize,
+) -> anyhow::Result<usize> {
+    route_body(body, r.token_ids(), i);
+    let bytes = api.call("POST", "/v1/route", body)?;
+    let answer: RouteAnswer = serde_json::from_slice(&bytes).with_context(|| {
+        let text = String::from_utf8_lossy(&bytes);
+        format!(
+            "router answer to r{i}: {}",
+            text.chars().take(300).collect::<String>()
+        )
+    })?;
+    (answer.worker_id as usize)
+        .checked_sub(1)
+        .filter(|&w| w < engines)
+        .with_context(|| format!("router chose unknown worker {}", answer.worker_id))
+}
+
+/// Request `i`'s job for engine `w`, as a message to publish.
+fn job(ns: &str, r: &TraceRequest, i: usize, w: usize) -> anyhow::Result<(String, Vec<u8>)> {
+    let job = Job {
+        id: i,
+        input_length: r.input_length,
+        output_length: r.output_length,
+        hash_ids: r.hash_ids.clone(),
+    };
+    Ok((job_subject(ns, w), serde_json::to_vec(&job)?))
 }
 
 /// Writes the route body `{"token_ids":[...],"request_id":"r<request>"}` into `out`,
@@ -464,7 +633,7 @@ fn spawn_router(
     ns: &str,
     policy: Policy,
     extra: &[String],
-) -> anyhow::Result<(Reaped, RouterApi)> {
+) -> anyhow::Result<(Reaped, String)> {
     // The router stops when its stdin closes: the pipe's end lives in `child` (a `Child`
     // keeps its stdin open), so the router goes with this process however it ends, a
     // SIGTERM or SIGKILL included, as the engines do.
@@ -491,17 +660,7 @@ fn spawn_router(
     else {
         bail!("kvrouter serve did not start: {line:?}");
     };
-    let stream =
-        TcpStream::connect(addr).with_context(|| format!("connecting to the router at {addr}"))?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
-    Ok((
-        child,
-        RouterApi {
-            stream,
-            buf: Vec::new(),
-        },
-    ))
+    Ok((child, addr.to_owned()))
 }
 
 fn spawn_engine(cfg: &NetConfig, ns: &str, index: usize) -> anyhow::Result<Reaped> {
@@ -677,7 +836,7 @@ pub fn run_networked(
             | Policy::Dynamo
             | Policy::Approximate
     );
-    let mut router = if uses_router {
+    let router = if uses_router {
         Some(spawn_router(cfg, &ns, policy, &[])?)
     } else {
         None
@@ -689,8 +848,6 @@ pub fn run_networked(
     let mut late = LateReports::new(n);
     // How late each request was sent against its arrival time.
     let mut sent_late = Vec::with_capacity(trace.len());
-    // The route request's body, reused.
-    let mut body = Vec::new();
     let mut rng = Rng::new(cfg.sim.seed);
     let mut rr = 0usize;
     let mut hits = vec![(0u64, 0u64); n];
@@ -699,125 +856,133 @@ pub fn run_networked(
     let arrival = |i: usize| (trace[i].timestamp as f64 - t0) / cfg.sim.speed;
     let start = Instant::now();
     let now_ms = || start.elapsed().as_secs_f64() * 1000.0;
+    let late_now = |i: usize| now_ms() - arrival(i);
+    let outcome = |i: usize, worker: usize| RequestOutcome {
+        request: i,
+        input_tokens: trace[i].input_length,
+        cached_blocks: None,
+        worker,
+        arrival: arrival(i),
+        admitted: None,
+        first: None,
+        done: None,
+        itl: None,
+    };
     let mut last_news = Instant::now();
-    while completed < trace.len() {
-        let now = now_ms();
-        if next < trace.len() && arrival(next) <= now {
-            let i = next;
-            next += 1;
-            sent_late.push(now - arrival(i));
-            let r = &trace[i];
-            let w = match (&mut router, policy) {
-                (Some((_, api)), _) => {
-                    route_body(&mut body, r.token_ids(), i);
-                    let bytes = api.call("POST", "/v1/route", &body)?;
-                    let answer: RouteAnswer =
-                        serde_json::from_slice(&bytes).with_context(|| {
-                            let text = String::from_utf8_lossy(&bytes);
-                            format!(
-                                "router answer to r{i}: {}",
-                                text.chars().take(300).collect::<String>()
-                            )
-                        })?;
-                    (answer.worker_id as usize)
-                        .checked_sub(1)
-                        .filter(|&w| w < n)
-                        .with_context(|| {
-                            format!("router chose unknown worker {}", answer.worker_id)
-                        })?
-                }
-                (None, Policy::RoundRobin) => {
-                    rr += 1;
-                    (rr - 1) % n
-                }
-                (None, Policy::Random) => rng.below(n),
-                (None, _) => {
-                    let min = *in_flight.iter().min().unwrap_or(&0);
-                    let ties: Vec<usize> = (0..n).filter(|&k| in_flight[k] == min).collect();
-                    ties[rng.below(ties.len())]
-                }
-            };
-            in_flight[w] += 1;
-            recs[i] = Some(RequestOutcome {
-                request: i,
-                input_tokens: r.input_length,
-                cached_blocks: None,
-                worker: w,
-                arrival: arrival(i),
-                admitted: None,
-                first: None,
-                done: None,
-                itl: None,
-            });
-            let job = Job {
-                id: i,
-                input_length: r.input_length,
-                output_length: r.output_length,
-                hash_ids: r.hash_ids.clone(),
-            };
-            nats.publish
-                .send((job_subject(&ns, w), serde_json::to_vec(&job)?))
-                .map_err(|_| anyhow::anyhow!("NATS side stopped"))?;
-            continue;
-        }
-        let wait = if next < trace.len() {
-            (arrival(next) - now).max(0.0)
-        } else {
-            250.0
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let gateway = router
+            .as_ref()
+            .map(|(_, addr)| Gateway::start(s, addr, trace, &ns, n, &nats.publish, &late_now));
+        // Takes in the requests the gateway has routed (each before its job went out, so
+        // before any progress on it).
+        let routed = |recs: &mut Vec<Option<RequestOutcome>>,
+                      in_flight: &mut Vec<u64>,
+                      sent_late: &mut Vec<f64>|
+         -> anyhow::Result<()> {
+            for r in gateway.iter().flat_map(|g| g.routed.try_iter()) {
+                let r = r?;
+                sent_late.push(r.late_ms);
+                in_flight[r.worker] += 1;
+                recs[r.request] = Some(outcome(r.request, r.worker));
+            }
+            Ok(())
         };
-        match nats
-            .progress
-            .recv_timeout(Duration::from_secs_f64(wait / 1000.0))
-        {
-            Ok(m) => {
-                let Ok(p) = serde_json::from_slice::<Progress>(&m) else {
-                    tracing::warn!("bench: malformed progress message dropped");
+        while completed < trace.len() {
+            routed(&mut recs, &mut in_flight, &mut sent_late)?;
+            let now = now_ms();
+            if next < trace.len() && arrival(next) <= now {
+                let i = next;
+                next += 1;
+                if let Some(g) = &gateway {
+                    g.route
+                        .send(i)
+                        .map_err(|_| anyhow::anyhow!("the route calls stopped"))?;
                     continue;
+                }
+                sent_late.push(now - arrival(i));
+                let w = match policy {
+                    Policy::RoundRobin => {
+                        rr += 1;
+                        (rr - 1) % n
+                    }
+                    Policy::Random => rng.below(n),
+                    _ => {
+                        let min = *in_flight.iter().min().unwrap_or(&0);
+                        let ties: Vec<usize> = (0..n).filter(|&k| in_flight[k] == min).collect();
+                        ties[rng.below(ties.len())]
+                    }
                 };
-                last_news = Instant::now();
-                let at = now_ms();
-                if p.w < n {
-                    hits[p.w] = (p.hit, p.prompt);
-                }
-                late.note(&p);
-                for id in p.first {
-                    if let Some(Some(rec)) = recs.get_mut(id) {
-                        rec.first = Some(at);
-                        if let Some((_, api)) = &mut router {
-                            api.call("POST", &format!("/v1/requests/r{id}/first_token"), b"")?;
+                in_flight[w] += 1;
+                recs[i] = Some(outcome(i, w));
+                nats.publish
+                    .send(job(&ns, &trace[i], i, w)?)
+                    .map_err(|_| anyhow::anyhow!("NATS side stopped"))?;
+                continue;
+            }
+            let wait = if next < trace.len() {
+                (arrival(next) - now).max(0.0)
+            } else {
+                250.0
+            };
+            match nats
+                .progress
+                .recv_timeout(Duration::from_secs_f64(wait / 1000.0))
+            {
+                Ok(m) => {
+                    let Ok(p) = serde_json::from_slice::<Progress>(&m) else {
+                        tracing::warn!("bench: malformed progress message dropped");
+                        continue;
+                    };
+                    routed(&mut recs, &mut in_flight, &mut sent_late)?;
+                    last_news = Instant::now();
+                    let at = now_ms();
+                    if p.w < n {
+                        hits[p.w] = (p.hit, p.prompt);
+                    }
+                    late.note(&p);
+                    for id in p.first {
+                        if let Some(Some(rec)) = recs.get_mut(id) {
+                            rec.first = Some(at);
+                            if let Some(g) = &gateway {
+                                g.call(format!("/v1/requests/r{id}/first_token"))?;
+                            }
+                        }
+                    }
+                    for (id, itl, tokens) in p.done {
+                        if let Some(Some(rec)) = recs.get_mut(id)
+                            && rec.done.is_none()
+                        {
+                            rec.done = Some(at);
+                            rec.itl = (tokens > 1).then_some(itl);
+                            in_flight[rec.worker] = in_flight[rec.worker].saturating_sub(1);
+                            completed += 1;
+                            if completed.is_multiple_of(16) {
+                                progress(completed);
+                            }
+                            if let Some(g) = &gateway {
+                                g.call(format!("/v1/requests/r{id}/free"))?;
+                            }
                         }
                     }
                 }
-                for (id, itl, tokens) in p.done {
-                    if let Some(Some(rec)) = recs.get_mut(id)
-                        && rec.done.is_none()
-                    {
-                        rec.done = Some(at);
-                        rec.itl = (tokens > 1).then_some(itl);
-                        in_flight[rec.worker] = in_flight[rec.worker].saturating_sub(1);
-                        completed += 1;
-                        if completed.is_multiple_of(16) {
-                            progress(completed);
-                        }
-                        if let Some((_, api)) = &mut router {
-                            api.call("POST", &format!("/v1/requests/r{id}/free"), b"")?;
-                        }
+                Err(flume::RecvTimeoutError::Timeout) => {
+                    if next >= trace.len() && last_news.elapsed() > cfg.stall_timeout {
+                        bail!(
+                            "{}: no engine progress for {:?} with {} requests pending",
+                            policy.name(),
+                            cfg.stall_timeout,
+                            trace.len() - completed
+                        );
                     }
                 }
+                Err(flume::RecvTimeoutError::Disconnected) => bail!("NATS side stopped"),
             }
-            Err(flume::RecvTimeoutError::Timeout) => {
-                if next >= trace.len() && last_news.elapsed() > cfg.stall_timeout {
-                    bail!(
-                        "{}: no engine progress for {:?} with {} requests pending",
-                        policy.name(),
-                        cfg.stall_timeout,
-                        trace.len() - completed
-                    );
-                }
-            }
-            Err(flume::RecvTimeoutError::Disconnected) => bail!("NATS side stopped"),
         }
-    }
+        match gateway {
+            Some(g) => g.finish(),
+            None => Ok(()),
+        }
+    })?;
     progress(completed);
     let span_s = now_ms() / 1000.0;
     let outcomes: Vec<RequestOutcome> = recs.into_iter().flatten().collect();
@@ -1095,6 +1260,171 @@ mod tests {
                 serde_json::json!({ "token_ids": ids, "request_id": format!("r{request}") })
             );
         }
+    }
+
+    /// A stand-in for the router's API (ours, for the gateway's threads alone): answers
+    /// every `/v1/route` with `worker(request)`, every other call with `{}`, on each
+    /// connection it accepts, and records each call's path and request id in `calls`.
+    fn fake_router(
+        worker: fn(usize) -> u64,
+    ) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use std::io::Write;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let (conn, seen) = (conn.unwrap(), seen.clone());
+                std::thread::spawn(move || {
+                    let mut r = BufReader::new(conn.try_clone().unwrap());
+                    let mut w = conn;
+                    loop {
+                        let (mut path, mut len) = (String::new(), 0);
+                        loop {
+                            let mut line = String::new();
+                            if r.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let l = line.trim_end();
+                            if l.is_empty() {
+                                break;
+                            }
+                            if path.is_empty() {
+                                path = l.split(' ').nth(1).unwrap_or("").to_owned();
+                            } else if let Some((k, v)) = l.split_once(':')
+                                && k.eq_ignore_ascii_case("content-length")
+                            {
+                                len = v.trim().parse().unwrap();
+                            }
+                        }
+                        let mut body = vec![0; len];
+                        r.read_exact(&mut body).unwrap();
+                        let answer = if path == "/v1/route" {
+                            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                            let id = v["request_id"].as_str().unwrap().to_owned();
+                            let i: usize = id[1..].parse().unwrap();
+                            seen.lock().unwrap().push(format!("route {id}"));
+                            format!("{{\"worker_id\":{}}}", worker(i))
+                        } else {
+                            seen.lock().unwrap().push(path);
+                            "{}".to_owned()
+                        };
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                            answer.len()
+                        );
+                        if w.write_all(head.as_bytes()).is_err()
+                            || w.write_all(answer.as_bytes()).is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, calls)
+    }
+
+    fn requests(count: usize) -> Vec<TraceRequest> {
+        (0..count)
+            .map(|i| TraceRequest {
+                timestamp: i as u64,
+                input_length: 1024 + i as u32,
+                output_length: 3,
+                hash_ids: vec![i as u64, 1_000 + i as u64],
+            })
+            .collect()
+    }
+
+    /// Requests routed on the gateway's threads: each once, its job published to the
+    /// engine the router chose after the request is reported routed; the first-token and
+    /// free calls reach the router in the order they were made.
+    #[test]
+    fn the_gateway_routes_each_request_once_and_keeps_its_calls_in_order() {
+        let (addr, calls) = fake_router(|i| (i % 3) as u64 + 1);
+        let trace = requests(40);
+        let (publish, published) = flume::unbounded::<(String, Vec<u8>)>();
+        let late = |i: usize| i as f64;
+        let mut routed = Vec::new();
+        std::thread::scope(|s| {
+            let g = Gateway::start(s, &addr, &trace, "ns", 3, &publish, &late);
+            for i in 0..trace.len() {
+                g.route.send(i).unwrap();
+            }
+            for _ in 0..trace.len() {
+                let r = g.routed.recv().unwrap().unwrap();
+                assert_eq!((r.worker, r.late_ms), (r.request % 3, r.request as f64));
+                routed.push(r.request);
+            }
+            for i in 0..trace.len() {
+                g.call(format!("/v1/requests/r{i}/first_token")).unwrap();
+                g.call(format!("/v1/requests/r{i}/free")).unwrap();
+            }
+            g.finish().unwrap();
+        });
+        routed.sort_unstable();
+        assert_eq!(routed, (0..trace.len()).collect::<Vec<_>>());
+        let mut jobs: Vec<(String, Job)> = published
+            .try_iter()
+            .map(|(subject, m)| (subject, serde_json::from_slice(&m).unwrap()))
+            .collect();
+        jobs.sort_by_key(|(_, j)| j.id);
+        assert_eq!(jobs.len(), trace.len());
+        for ((subject, job), r) in jobs.iter().zip(&trace) {
+            assert_eq!(subject, &job_subject("ns", job.id % 3));
+            assert_eq!(
+                (job.input_length, job.output_length, &job.hash_ids),
+                (r.input_length, r.output_length, &r.hash_ids)
+            );
+        }
+        let calls = calls.lock().unwrap();
+        let mut routes: Vec<&String> = calls.iter().filter(|c| c.starts_with("route ")).collect();
+        routes.sort_unstable();
+        routes.dedup();
+        assert_eq!(routes.len(), trace.len());
+        let control: Vec<String> = calls
+            .iter()
+            .filter(|c| !c.starts_with("route "))
+            .cloned()
+            .collect();
+        let expected: Vec<String> = (0..trace.len())
+            .flat_map(|i| {
+                [
+                    format!("/v1/requests/r{i}/first_token"),
+                    format!("/v1/requests/r{i}/free"),
+                ]
+            })
+            .collect();
+        assert_eq!(control, expected);
+    }
+
+    /// A router that names an engine the run does not have ends the run with that error,
+    /// and nothing is published for the request.
+    #[test]
+    fn a_route_to_an_unknown_engine_ends_the_run() {
+        let (addr, _) = fake_router(|i| if i == 2 { 99 } else { 1 });
+        let trace = requests(4);
+        let (publish, published) = flume::unbounded::<(String, Vec<u8>)>();
+        let late = |_: usize| 0.0;
+        let err = std::thread::scope(|s| {
+            let g = Gateway::start(s, &addr, &trace, "ns", 2, &publish, &late);
+            g.route.send(2).unwrap();
+            let err = g.routed.recv().unwrap().err().unwrap();
+            assert!(g.finish().is_ok(), "the error was taken already");
+            err
+        });
+        assert!(format!("{err:#}").contains("unknown worker 99"), "{err:#}");
+        assert_eq!(published.try_iter().count(), 0);
+        // The same error, left in the channel, comes out of `finish`.
+        let err = std::thread::scope(|s| {
+            let g = Gateway::start(s, &addr, &trace, "ns", 2, &publish, &late);
+            g.route.send(0).unwrap();
+            g.route.send(2).unwrap();
+            g.finish().unwrap_err()
+        });
+        assert!(format!("{err:#}").contains("unknown worker 99"), "{err:#}");
+        assert_eq!(published.try_iter().count(), 1);
     }
 
     #[test]
