@@ -373,8 +373,8 @@ const ROUTE_CALLS: usize = 4;
 struct Gateway<'s> {
     /// Requests to route, by index in the trace.
     route: flume::Sender<usize>,
-    /// Requests routed, each sent before its job goes out, so before any progress on it; an
-    /// error ends the run.
+    /// Requests routed, each sent before its job goes out, so before any progress on it,
+    /// and any thread's error, which ends the run.
     routed: flume::Receiver<anyhow::Result<Routed>>,
     /// The paths of `first_token` and `free` calls.
     control: flume::Sender<String>,
@@ -458,11 +458,28 @@ impl<'s> Gateway<'s> {
         }
     }
 
+    /// Queues request `i` to be routed.
+    fn route(&self, i: usize) -> anyhow::Result<()> {
+        match self.route.send(i) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(self.why("the route calls stopped")),
+        }
+    }
+
     /// Queues a call of `path` (no body) after those before it.
     fn call(&self, path: String) -> anyhow::Result<()> {
-        self.control
-            .send(path)
-            .map_err(|_| anyhow::anyhow!("the router's control calls stopped"))
+        match self.control.send(path) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(self.why("the router's control calls stopped")),
+        }
+    }
+
+    /// Why a thread stopped: the error it left, or else `stopped`.
+    fn why(&self, stopped: &str) -> anyhow::Error {
+        self.routed
+            .try_iter()
+            .find_map(Result::err)
+            .unwrap_or_else(|| anyhow::anyhow!("{stopped}"))
     }
 
     /// Lets the threads finish the calls queued and returns the first error any of them met.
@@ -476,7 +493,7 @@ impl<'s> Gateway<'s> {
         drop((route, control));
         for t in threads {
             t.join()
-                .map_err(|_| anyhow::anyhow!("a route call thread panicked"))?;
+                .map_err(|_| anyhow::anyhow!("a thread calling the router panicked"))?;
         }
         match routed.try_iter().find_map(Result::err) {
             Some(e) => Err(e),
@@ -521,7 +538,7 @@ fn job(ns: &str, r: &TraceRequest, i: usize, w: usize) -> anyhow::Result<(String
 
 /// Writes the route body `{"token_ids":[...],"request_id":"r<request>"}` into `out`,
 /// reused from one request to the next. An agentic prompt's body is megabytes; built as a
-/// `serde_json::Value` and then printed, it took most of the harness thread's time (the
+/// `serde_json::Value` and then printed, it took most of the load generator's time (the
 /// kernel zeroing fresh pages for it half), and requests were sent up to 255 ms late.
 fn route_body(out: &mut Vec<u8>, ids: impl Iterator<Item = u32>, request: usize) {
     out.clear();
@@ -562,6 +579,10 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         // 900 k tokens is over 6 MB, past the API's default limit of 4 MiB.
         "--max-body-bytes",
         "67108864",
+        // The load generator's connections may idle for minutes in a sparse trace (each
+        // route thread's, and the control calls' until the first token).
+        "--idle-timeout-secs",
+        "86400",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -894,9 +915,7 @@ pub fn run_networked(
                 let i = next;
                 next += 1;
                 if let Some(g) = &gateway {
-                    g.route
-                        .send(i)
-                        .map_err(|_| anyhow::anyhow!("the route calls stopped"))?;
+                    g.route(i)?;
                     continue;
                 }
                 sent_late.push(now - arrival(i));
@@ -1347,15 +1366,22 @@ mod tests {
         let (publish, published) = flume::unbounded::<(String, Vec<u8>)>();
         let late = |i: usize| i as f64;
         let mut routed = Vec::new();
+        let mut jobs = Vec::new();
         std::thread::scope(|s| {
             let g = Gateway::start(s, &addr, &trace, "ns", 3, &publish, &late);
             for i in 0..trace.len() {
-                g.route.send(i).unwrap();
+                g.route(i).unwrap();
             }
-            for _ in 0..trace.len() {
-                let r = g.routed.recv().unwrap().unwrap();
-                assert_eq!((r.worker, r.late_ms), (r.request % 3, r.request as f64));
-                routed.push(r.request);
+            // Each job goes out after its request is reported routed.
+            for (subject, m) in published.iter().take(trace.len()) {
+                for r in g.routed.try_iter() {
+                    let r = r.unwrap();
+                    assert_eq!((r.worker, r.late_ms), (r.request % 3, r.request as f64));
+                    routed.push(r.request);
+                }
+                let job: Job = serde_json::from_slice(&m).unwrap();
+                assert!(routed.contains(&job.id), "r{} published first", job.id);
+                jobs.push((subject, job));
             }
             for i in 0..trace.len() {
                 g.call(format!("/v1/requests/r{i}/first_token")).unwrap();
@@ -1365,12 +1391,8 @@ mod tests {
         });
         routed.sort_unstable();
         assert_eq!(routed, (0..trace.len()).collect::<Vec<_>>());
-        let mut jobs: Vec<(String, Job)> = published
-            .try_iter()
-            .map(|(subject, m)| (subject, serde_json::from_slice(&m).unwrap()))
-            .collect();
+        assert_eq!(published.try_iter().count(), 0);
         jobs.sort_by_key(|(_, j)| j.id);
-        assert_eq!(jobs.len(), trace.len());
         for ((subject, job), r) in jobs.iter().zip(&trace) {
             assert_eq!(subject, &job_subject("ns", job.id % 3));
             assert_eq!(
@@ -1381,8 +1403,9 @@ mod tests {
         let calls = calls.lock().unwrap();
         let mut routes: Vec<&String> = calls.iter().filter(|c| c.starts_with("route ")).collect();
         routes.sort_unstable();
-        routes.dedup();
-        assert_eq!(routes.len(), trace.len());
+        let mut each: Vec<String> = (0..trace.len()).map(|i| format!("route r{i}")).collect();
+        each.sort_unstable();
+        assert_eq!(routes, each.iter().collect::<Vec<_>>());
         let control: Vec<String> = calls
             .iter()
             .filter(|c| !c.starts_with("route "))
@@ -1409,7 +1432,7 @@ mod tests {
         let late = |_: usize| 0.0;
         let err = std::thread::scope(|s| {
             let g = Gateway::start(s, &addr, &trace, "ns", 2, &publish, &late);
-            g.route.send(2).unwrap();
+            g.route(2).unwrap();
             let err = g.routed.recv().unwrap().err().unwrap();
             assert!(g.finish().is_ok(), "the error was taken already");
             err
@@ -1419,12 +1442,44 @@ mod tests {
         // The same error, left in the channel, comes out of `finish`.
         let err = std::thread::scope(|s| {
             let g = Gateway::start(s, &addr, &trace, "ns", 2, &publish, &late);
-            g.route.send(0).unwrap();
-            g.route.send(2).unwrap();
+            g.route(0).unwrap();
+            g.route(2).unwrap();
             g.finish().unwrap_err()
         });
         assert!(format!("{err:#}").contains("unknown worker 99"), "{err:#}");
         assert_eq!(published.try_iter().count(), 1);
+    }
+
+    /// A router that cannot be reached: the calls after the threads stopped fail with the
+    /// reason they stopped, not only with the fact.
+    #[test]
+    fn a_call_after_the_threads_stopped_says_why() {
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        let trace = requests(1);
+        let (publish, _published) = flume::unbounded::<(String, Vec<u8>)>();
+        let late = |_: usize| 0.0;
+        std::thread::scope(|s| {
+            let g = Gateway::start(s, &addr, &trace, "ns", 1, &publish, &late);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while g.routed.len() < ROUTE_CALLS + 1 {
+                assert!(Instant::now() < deadline, "the threads did not stop");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let err = g.route(0).unwrap_err();
+            assert!(
+                format!("{err:#}").contains("connecting to the router"),
+                "{err:#}"
+            );
+            let err = g.call("/v1/requests/r0/free".into()).unwrap_err();
+            assert!(
+                format!("{err:#}").contains("connecting to the router"),
+                "{err:#}"
+            );
+            assert!(g.finish().is_err());
+        });
     }
 
     #[test]
