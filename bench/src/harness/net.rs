@@ -355,9 +355,21 @@ impl RouterApi {
         })
     }
 
+    /// The body of the router's answer to a call, which must succeed (2xx).
     fn call(&mut self, method: &str, path: &str, body: &[u8]) -> anyhow::Result<Vec<u8>> {
-        crate::route::request_with(&mut self.stream, &mut self.buf, method, path, "", body)
-            .with_context(|| format!("router {method} {path}"))
+        let answer =
+            crate::route::request_with(&mut self.stream, &mut self.buf, method, path, "", body)
+                .with_context(|| format!("router {method} {path}"))?;
+        // `buf` holds the whole answer, its status line first.
+        if !self.buf.starts_with(b"HTTP/1.1 2") {
+            let status = self.buf.split(|&b| b == b'\r').next().unwrap_or_default();
+            bail!(
+                "router {method} {path}: {} {}",
+                String::from_utf8_lossy(status),
+                String::from_utf8_lossy(&answer[..answer.len().min(300)])
+            );
+        }
+        Ok(answer)
     }
 }
 
@@ -582,6 +594,10 @@ fn router_args(cfg: &NetConfig, ns: &str, policy: Policy) -> Vec<String> {
         // The load generator's connections may idle for minutes in a sparse trace (each
         // route thread's, and the control calls' until the first token).
         "--idle-timeout-secs",
+        "86400",
+        // A request may wait longer than the default 600 s for its first token in a slow
+        // run; released as stale, it would leave the router's load and its free fail.
+        "--stale-after-secs",
         "86400",
     ]
     .iter()
@@ -1090,9 +1106,9 @@ impl LateReports {
     }
 }
 
-/// The router's flags of the OpenAI mode: its front on `port`, the bench's model card, the
-/// engines' URLs, deadlines no queue in a trace reaches, and the cache-blind policies as
-/// router modes.
+/// The router's flags of the OpenAI mode, beside [`router_args`]: its front on `port`, the
+/// bench's model card, the engines' URLs, deadlines no queue in a trace reaches, and the
+/// cache-blind policies as router modes.
 fn openai_args(policy: Policy, card: &std::path::Path, port: u16, engines: &[u16]) -> Vec<String> {
     let mut a = vec![
         "--openai-listen".to_owned(),
@@ -1111,8 +1127,6 @@ fn openai_args(policy: Policy, card: &std::path::Path, port: u16, engines: &[u16
         "--upstream-first-byte-timeout-secs".to_owned(),
         "86400".to_owned(),
         "--upstream-idle-timeout-secs".to_owned(),
-        "86400".to_owned(),
-        "--stale-after-secs".to_owned(),
         "86400".to_owned(),
     ];
     let mode = match policy {
@@ -1282,8 +1296,9 @@ mod tests {
     }
 
     /// A stand-in for the router's API (ours, for the gateway's threads alone): answers
-    /// every `/v1/route` with `worker(request)`, every other call with `{}`, on each
-    /// connection it accepts, and records each call's path and request id in `calls`.
+    /// every `/v1/route` with `worker(request)`, a path with `missing` in it with a 404,
+    /// every other call with `{}`, on each connection it accepts, and records each call's
+    /// path and request id in `calls`.
     fn fake_router(
         worker: fn(usize) -> u64,
     ) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
@@ -1319,18 +1334,22 @@ mod tests {
                         }
                         let mut body = vec![0; len];
                         r.read_exact(&mut body).unwrap();
+                        let mut status = "200 OK";
                         let answer = if path == "/v1/route" {
                             let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
                             let id = v["request_id"].as_str().unwrap().to_owned();
                             let i: usize = id[1..].parse().unwrap();
                             seen.lock().unwrap().push(format!("route {id}"));
                             format!("{{\"worker_id\":{}}}", worker(i))
+                        } else if path.contains("missing") {
+                            status = "404 Not Found";
+                            r#"{"error":"unknown request"}"#.to_owned()
                         } else {
                             seen.lock().unwrap().push(path);
                             "{}".to_owned()
                         };
                         let head = format!(
-                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                            "HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n",
                             answer.len()
                         );
                         if w.write_all(head.as_bytes()).is_err()
@@ -1423,7 +1442,7 @@ mod tests {
     }
 
     /// A router that names an engine the run does not have ends the run with that error,
-    /// and nothing is published for the request.
+    /// and nothing is published for the request; so does a call it refuses.
     #[test]
     fn a_route_to_an_unknown_engine_ends_the_run() {
         let (addr, _) = fake_router(|i| if i == 2 { 99 } else { 1 });
@@ -1448,6 +1467,17 @@ mod tests {
         });
         assert!(format!("{err:#}").contains("unknown worker 99"), "{err:#}");
         assert_eq!(published.try_iter().count(), 1);
+        // A call the router refuses ends the run, with its status and answer.
+        let err = std::thread::scope(|s| {
+            let g = Gateway::start(s, &addr, &trace, "ns", 2, &publish, &late);
+            g.call("/v1/requests/missing/free".into()).unwrap();
+            g.finish().unwrap_err()
+        });
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("404 Not Found") && text.contains("unknown request"),
+            "{text}"
+        );
     }
 
     /// A router that cannot be reached: the calls after the threads stopped fail with the
