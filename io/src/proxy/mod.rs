@@ -39,6 +39,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+mod bpe;
 mod front;
 pub mod model;
 pub mod pieces;

@@ -363,6 +363,11 @@ impl ModelCard {
         self.pieces.as_ref().map(Pieces::stats)
     }
 
+    /// Whether pieces are encoded by the byte-level encoder (`super::bpe`).
+    pub fn byte_level(&self) -> bool {
+        self.pieces.as_ref().is_some_and(Pieces::byte_level)
+    }
+
     /// Whether pieces were turned off by a difference from a whole encoding.
     pub fn pieces_off(&self) -> bool {
         self.pieces.as_ref().is_some_and(Pieces::is_off)

@@ -29,6 +29,11 @@
 //! piece but this turn's last in the cache. The last piece, which the next turn extends, is
 //! encoded and not kept.
 //!
+//! **Who encodes a piece.** The byte-level encoder ([`super::bpe`]) where it reproduces
+//! the card's tokenizer, the tokenizer's own `encode_fast` otherwise. With the byte-level
+//! encoder, a prompt too short to cut, or with nothing to cut at, is encoded as one piece
+//! (not kept), so that its ids too are checked below.
+//!
 //! **Checked, not trusted.** Each piece's encoding must begin and end with the ids of the
 //! tokens it was cut at (otherwise the request is encoded whole and a fallback counted). The
 //! first [`VERIFY_FIRST`] prompts are also encoded whole and compared before they are
@@ -57,6 +62,8 @@ use aho_corasick::{AhoCorasick, MatchKind};
 use lru::LruCache;
 use tokenizers::Tokenizer;
 
+use super::bpe::ByteBpe;
+
 /// A piece ends at the first cut token this many bytes or more past its start.
 pub const MIN_PIECE_BYTES: usize = 256;
 
@@ -73,7 +80,7 @@ const ENTRY_OVERHEAD: usize = 96;
 /// What the piece cache did, per card (relaxed counters, read for `/metrics`).
 #[derive(Debug, Default)]
 pub struct PieceStats {
-    /// Prompts encoded in pieces.
+    /// Prompts encoded in pieces (one piece or more).
     pub prompts: AtomicU64,
     /// Pieces found in the cache.
     pub hits: AtomicU64,
@@ -168,6 +175,10 @@ pub(crate) struct Pieces {
     /// The checker thread's queue (none: it could not be started, and samples are compared
     /// on the caller's thread). It ends when this is dropped.
     checker: Option<flume::Sender<Sample>>,
+    /// The encoder of the pieces where it reproduces the tokenizer ([`super::bpe`]); the
+    /// tokenizer's own `encode_fast` otherwise. With it, a prompt too short to cut, or with
+    /// nothing to cut at, is one piece, checked like the others.
+    fast: Option<ByteBpe>,
 }
 
 impl std::fmt::Debug for Pieces {
@@ -176,6 +187,7 @@ impl std::fmt::Debug for Pieces {
             .field("cut_tokens", &self.tokens.iter().filter(|t| t.1).count())
             .field("capacity", &self.capacity)
             .field("off", &self.is_off())
+            .field("byte_level", &self.fast.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -233,7 +245,11 @@ impl Pieces {
                 .map_err(|e| tracing::warn!(error = %e, "no checker thread: sampled prompts are compared inline"))
                 .ok()
         };
+        let fast = ByteBpe::new(tok)
+            .map_err(|why| tracing::debug!(why, "pieces are encoded by the tokenizer itself"))
+            .ok();
         Ok(Self {
+            fast,
             framing: framing(tok),
             matcher,
             tokens: added.iter().map(|(id, t)| (*id, !t.single_word)).collect(),
@@ -251,6 +267,11 @@ impl Pieces {
 
     pub(crate) fn stats(&self) -> &PieceStats {
         &self.shared.stats
+    }
+
+    /// Whether pieces are encoded by the byte-level encoder ([`super::bpe`]).
+    pub(crate) fn byte_level(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Whether a difference from the whole encoding turned pieces off.
@@ -273,16 +294,17 @@ impl Pieces {
     }
 
     /// The ids of `text`, with the post-processor's special tokens where `special`, or
-    /// `None` where the caller must encode it whole (too short to cut, pieces off, a piece
-    /// that did not end at its token, or special tokens this tokenizer adds otherwise than
-    /// around the sequence).
+    /// `None` where the caller must encode it whole (too short to cut or nothing to cut at,
+    /// unless the byte-level encoder encodes it as one piece; pieces off; a piece that did
+    /// not end at its token; or special tokens this tokenizer adds otherwise than around
+    /// the sequence).
     pub(crate) fn encode(
         &self,
         tok: &Tokenizer,
         text: &str,
         special: bool,
     ) -> Result<Option<Vec<u32>>, tokenizers::Error> {
-        if self.is_off() || text.len() < 2 * self.min_piece {
+        if self.is_off() {
             return Ok(None);
         }
         let (before, after) = match (&self.framing, special) {
@@ -290,8 +312,12 @@ impl Pieces {
             (Some((b, a)), true) => (&b[..], &a[..]),
             (None, true) => return Ok(None),
         };
-        let cuts = self.cuts(text);
-        if cuts.is_empty() {
+        let cuts = if text.len() < 2 * self.min_piece {
+            Vec::new()
+        } else {
+            self.cuts(text)
+        };
+        if cuts.is_empty() && self.fast.is_none() {
             return Ok(None);
         }
         let mut ids = Vec::with_capacity(text.len() / 3);
@@ -357,8 +383,19 @@ impl Pieces {
                 return Ok(Some(Arc::clone(&e.ids)));
             }
         }
-        let enc = tok.encode_fast(text, false)?;
-        let all = enc.get_ids();
+        let enc;
+        let mut own = Vec::new();
+        let all = match &self.fast {
+            Some(f) => {
+                own.reserve(text.len() / 3);
+                f.encode(text, &mut own);
+                &own[..]
+            }
+            None => {
+                enc = tok.encode_fast(text, false)?;
+                enc.get_ids()
+            }
+        };
         if lead.is_some_and(|l| all.first() != Some(&l))
             || trail.is_some_and(|t| all.last() != Some(&t))
         {

@@ -114,7 +114,7 @@ impl ProxyStats {
             a.load(Relaxed)
         }
         // Name, help, type, and each card's rows (the outcome label, or none).
-        let families: [(&str, &str, &str, Rows); 6] = [
+        let families: [(&str, &str, &str, Rows); 7] = [
             (
                 "kvrouter_proxy_tokenize_pieces_total",
                 "Prompt pieces found in the piece cache (hit) or encoded (miss).",
@@ -129,7 +129,7 @@ impl ProxyStats {
             ),
             (
                 "kvrouter_proxy_tokenize_piece_prompts_total",
-                "Prompts encoded in pieces, and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback), sampled but not compared while the checker was busy (check_skipped).",
+                "Prompts encoded in pieces (one piece or more), and of them: also encoded whole and equal (verified), different (mismatch: pieces then off), encoded whole instead (fallback), sampled but not compared while the checker was busy (check_skipped).",
                 "counter",
                 |_, s| {
                     vec![
@@ -158,6 +158,12 @@ impl ProxyStats {
                 "1 when a piecewise encoding differed from the whole and pieces were turned off for the card.",
                 "gauge",
                 |c, _| vec![("", u64::from(c.pieces_off()))],
+            ),
+            (
+                "kvrouter_proxy_tokenize_byte_level",
+                "1 when the card's pieces are encoded by the router's byte-level BPE encoder, 0 when by the tokenizer itself.",
+                "gauge",
+                |c, _| vec![("", u64::from(c.byte_level()))],
             ),
         ];
         for (name, help, kind, rows) in families {

@@ -1,0 +1,545 @@
+//! Token ids of text for the byte-level BPE tokenizers whose every step it can reproduce
+//! (GPT-2's shape: no normaliser, the `ByteLevel` pre-tokenizer splitting with its own
+//! pattern, a plain BPE model), without building the `tokenizers` crate's `Encoding`.
+//!
+//! **Why.** For a short chat prompt, `Tokenizer::encode_fast` was about a fifth of the
+//! front's CPU per request (docs/BENCHMARKS.md, "Prompts encoded by the byte-level
+//! encoder"): the crate keeps, for every byte of the input, its alignment to the original
+//! text through each step, and builds each token's string and offsets, where the router
+//! needs the ids alone.
+//!
+//! **The same steps, in the same order.** As `tokenizers` 0.23 does for `encode(text,
+//! false)`:
+//! 1. the added tokens are split off the raw text, leftmost-longest: first those matched
+//!    on the raw text (`normalized: false`), then, in what is left, the others (with no
+//!    normaliser both see the same text);
+//! 2. each remaining split gets a space in front where `add_prefix_space` asks for one and
+//!    it has none, and is cut by GPT-2's pattern (the crate's own, run by the same
+//!    `fancy-regex`) into words and the gaps between them (a match the engine gives up on
+//!    ends the matches there, as in the crate);
+//! 3. each word's bytes become the byte-level alphabet's symbols, one per byte, and are
+//!    merged by rank, the lowest first and, among equal ranks, the leftmost, as the
+//!    crate's `Word::merge_all` does (with `ignore_merges`, a word that is itself in the
+//!    vocabulary is that one token);
+//! 4. no special token is added: the post-processor adds none when asked for none.
+//!
+//! What it cannot reproduce it refuses at load ([`ByteBpe::new`] says why) and the card
+//! is encoded by the crate, as before. **Checked, not trusted**: this encoder's ids reach
+//! requests only through [`super::pieces`], whose checks compare them with the crate's own
+//! whole encoding (every one of a card's first prompts, then a sample), and a difference
+//! turns both off for the card.
+//!
+//! **Memory.** Words seen recently are kept with their ids, at most [`CACHE_WORDS`] of
+//! them; when full the cache is emptied. One lock guards it, tried and never waited for.
+
+use std::sync::Mutex;
+
+use ahash::AHashMap;
+use aho_corasick::{AhoCorasick, MatchKind};
+use serde_json::Value as Json;
+use tokenizers::Tokenizer;
+
+/// GPT-2's pattern, as the `ByteLevel` pre-tokenizer of `tokenizers` 0.23 has it.
+const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// Words whose ids are kept (the crate keeps 10,000).
+pub(super) const CACHE_WORDS: usize = 16_384;
+
+/// One pass of added tokens: a matcher and, per pattern, its id.
+struct Added {
+    matcher: AhoCorasick,
+    ids: Vec<u32>,
+}
+
+impl Added {
+    fn new(tokens: &[(u32, String)]) -> Result<Option<Self>, &'static str> {
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(tokens.iter().map(|(_, c)| c.as_str()))
+            .map_err(|_| "the added tokens do not build a matcher")?;
+        Ok(Some(Added {
+            matcher,
+            ids: tokens.iter().map(|(id, _)| *id).collect(),
+        }))
+    }
+}
+
+/// A card's byte-level BPE encoder.
+pub(super) struct ByteBpe {
+    /// The added tokens matched on the raw text, then those matched after normalising.
+    raw: Option<Added>,
+    normalized: Option<Added>,
+    add_prefix_space: bool,
+    pattern: fancy_regex::Regex,
+    /// Each byte's symbol: the id of its byte-level character.
+    byte_ids: [u32; 256],
+    /// Each byte's byte-level character (for `ignore_merges`' look-ups).
+    byte_chars: [char; 256],
+    /// A pair of ids → its merge's rank and the merged id.
+    merges: AHashMap<(u32, u32), (u32, u32)>,
+    /// With `ignore_merges`: the vocabulary, for whole words.
+    whole_words: Option<AHashMap<String, u32>>,
+    cache: Mutex<Words>,
+}
+
+/// A word's bytes → its ids.
+type Words = AHashMap<Box<[u8]>, Box<[u32]>>;
+
+impl std::fmt::Debug for ByteBpe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ByteBpe")
+            .field("merges", &self.merges.len())
+            .field("add_prefix_space", &self.add_prefix_space)
+            .finish_non_exhaustive()
+    }
+}
+
+/// GPT-2's map of bytes to printable characters (the `ByteLevel` alphabet).
+fn byte_chars() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        out[usize::from(b)] = if printable(b) {
+            char::from(b)
+        } else {
+            n += 1;
+            // 256 + n - 1 is below 512: always a valid scalar value.
+            char::from_u32(255 + n).unwrap_or('\0')
+        };
+    }
+    out
+}
+
+impl ByteBpe {
+    /// The encoder for `tok`, or why its steps are not ones this encoder reproduces.
+    pub(super) fn new(tok: &Tokenizer) -> Result<Self, &'static str> {
+        if tok.get_truncation().is_some() || tok.get_padding().is_some() {
+            return Err("the tokenizer truncates or pads");
+        }
+        if tok.get_encode_special_tokens() {
+            return Err("the tokenizer does not split at special tokens");
+        }
+        let spec: Json = serde_json::from_str(&tok.to_string(false).map_err(|_| "unreadable")?)
+            .map_err(|_| "unreadable")?;
+        if !spec["normalizer"].is_null() {
+            return Err("a normaliser");
+        }
+        let pre = &spec["pre_tokenizer"];
+        if pre["type"] != "ByteLevel" || pre["use_regex"] != Json::Bool(true) {
+            return Err("not the ByteLevel pre-tokenizer with its own pattern");
+        }
+        let model = &spec["model"];
+        if model["type"] != "BPE" {
+            return Err("not a BPE model");
+        }
+        let empty = |v: &Json| v.is_null() || v.as_str() == Some("");
+        if !model["dropout"].is_null()
+            || !empty(&model["continuing_subword_prefix"])
+            || !empty(&model["end_of_word_suffix"])
+            || model["byte_fallback"] == Json::Bool(true)
+        {
+            return Err("BPE with dropout, affixes or byte fallback");
+        }
+        let vocab = tok.get_vocab(false);
+        let chars = byte_chars();
+        let mut byte_ids = [0u32; 256];
+        for (b, c) in chars.iter().enumerate() {
+            byte_ids[b] = *vocab
+                .get(c.to_string().as_str())
+                .ok_or("a byte with no symbol in the vocabulary")?;
+        }
+        let Some(list) = model["merges"].as_array() else {
+            return Err("no merges");
+        };
+        let mut merges = AHashMap::with_capacity(list.len());
+        for (rank, m) in list.iter().enumerate() {
+            let (a, b) = match m {
+                Json::String(s) => s.split_once(' ').ok_or("a malformed merge")?,
+                Json::Array(p) if p.len() == 2 => (
+                    p[0].as_str().ok_or("a malformed merge")?,
+                    p[1].as_str().ok_or("a malformed merge")?,
+                ),
+                _ => return Err("a malformed merge"),
+            };
+            let id = |s: &str| {
+                vocab
+                    .get(s)
+                    .copied()
+                    .ok_or("a merge outside the vocabulary")
+            };
+            let merged = id(&format!("{a}{b}"))?;
+            let rank = u32::try_from(rank).map_err(|_| "too many merges")?;
+            // A pair listed twice keeps its later rank, as the crate's map does.
+            merges.insert((id(a)?, id(b)?), (rank, merged));
+        }
+        let mut raw = Vec::new();
+        let mut normalized = Vec::new();
+        let mut added: Vec<_> = tok.get_added_tokens_decoder().into_iter().collect();
+        added.sort_by_key(|(id, _)| *id);
+        for (id, t) in added {
+            if t.single_word || t.lstrip || t.rstrip {
+                return Err("an added token with single_word, lstrip or rstrip");
+            }
+            if t.content.is_empty() {
+                continue;
+            }
+            if t.normalized {
+                normalized.push((id, t.content));
+            } else {
+                raw.push((id, t.content));
+            }
+        }
+        let whole_words = (model["ignore_merges"] == Json::Bool(true))
+            .then(|| vocab.into_iter().collect::<AHashMap<_, _>>());
+        Ok(ByteBpe {
+            raw: Added::new(&raw)?,
+            normalized: Added::new(&normalized)?,
+            add_prefix_space: pre["add_prefix_space"] == Json::Bool(true),
+            pattern: fancy_regex::Regex::new(GPT2_PATTERN).map_err(|_| "the pattern")?,
+            byte_ids,
+            byte_chars: chars,
+            merges,
+            whole_words,
+            cache: Mutex::new(AHashMap::new()),
+        })
+    }
+
+    /// Appends the ids of `text` (no special tokens added) to `out`.
+    pub(super) fn encode(&self, text: &str, out: &mut Vec<u32>) {
+        self.split_added(text, self.raw.as_ref(), true, out);
+    }
+
+    /// Splits `text` at the added tokens of `pass` (then at the next pass's), encoding what
+    /// is between them.
+    fn split_added(&self, text: &str, pass: Option<&Added>, first: bool, out: &mut Vec<u32>) {
+        let next = |s: &str, out: &mut Vec<u32>| {
+            if first {
+                self.split_added(s, self.normalized.as_ref(), false, out)
+            } else {
+                self.split_words(s, out)
+            }
+        };
+        let Some(added) = pass else {
+            return next(text, out);
+        };
+        let mut from = 0;
+        for m in added.matcher.find_iter(text) {
+            if m.start() > from {
+                next(&text[from..m.start()], out);
+            }
+            out.push(added.ids[m.pattern().as_usize()]);
+            from = m.end();
+        }
+        if from < text.len() {
+            next(&text[from..], out);
+        }
+    }
+
+    /// Encodes a split with no added token in it: GPT-2's words and the gaps between them.
+    fn split_words(&self, text: &str, out: &mut Vec<u32>) {
+        if text.is_empty() {
+            return;
+        }
+        let spaced;
+        let text = if self.add_prefix_space && !text.starts_with(' ') {
+            spaced = format!(" {text}");
+            spaced.as_str()
+        } else {
+            text
+        };
+        let mut from = 0;
+        for m in self.pattern.find_iter(text) {
+            // The crate stops at a match the engine gives up on: the rest is one gap.
+            let Ok(m) = m else { break };
+            if m.start() > from {
+                self.word(&text.as_bytes()[from..m.start()], out);
+            }
+            self.word(&text.as_bytes()[m.start()..m.end()], out);
+            from = m.end();
+        }
+        if from < text.len() {
+            self.word(&text.as_bytes()[from..], out);
+        }
+    }
+
+    /// Appends the ids of one word.
+    fn word(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        if bytes.is_empty() {
+            return;
+        }
+        if let Ok(cache) = self.cache.try_lock()
+            && let Some(ids) = cache.get(bytes)
+        {
+            out.extend_from_slice(ids);
+            return;
+        }
+        let start = out.len();
+        self.merge(bytes, out);
+        if let Ok(mut cache) = self.cache.try_lock() {
+            if cache.len() >= CACHE_WORDS {
+                cache.clear();
+            }
+            cache.insert(bytes.into(), out[start..].into());
+        }
+    }
+
+    /// Appends the ids of one word, merged by rank as the crate's `Word::merge_all` does.
+    fn merge(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        if let Some(vocab) = &self.whole_words {
+            let s: String = bytes
+                .iter()
+                .map(|&b| self.byte_chars[usize::from(b)])
+                .collect();
+            if let Some(&id) = vocab.get(&s) {
+                out.push(id);
+                return;
+            }
+        }
+        // A doubly linked list of symbols over the bytes; a merged-away symbol is dead.
+        struct Symbol {
+            id: u32,
+            prev: usize,
+            next: usize,
+            alive: bool,
+        }
+        const NONE: usize = usize::MAX;
+        let n = bytes.len();
+        let mut symbols: Vec<Symbol> = bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| Symbol {
+                id: self.byte_ids[usize::from(b)],
+                prev: if i == 0 { NONE } else { i - 1 },
+                next: if i + 1 == n { NONE } else { i + 1 },
+                alive: true,
+            })
+            .collect();
+        // Lowest rank first, then leftmost: (rank, position, merged id), reversed.
+        let mut queue = std::collections::BinaryHeap::with_capacity(n);
+        for i in 0..n.saturating_sub(1) {
+            if let Some(&(rank, merged)) = self.merges.get(&(symbols[i].id, symbols[i + 1].id)) {
+                queue.push(std::cmp::Reverse((rank, i, merged)));
+            }
+        }
+        while let Some(std::cmp::Reverse((_, pos, merged))) = queue.pop() {
+            let next = symbols[pos].next;
+            if !symbols[pos].alive || next == NONE {
+                continue;
+            }
+            // A stale entry: the pair at `pos` is no longer the one that merges to `merged`.
+            if self
+                .merges
+                .get(&(symbols[pos].id, symbols[next].id))
+                .is_none_or(|&(_, m)| m != merged)
+            {
+                continue;
+            }
+            symbols[pos].id = merged;
+            symbols[next].alive = false;
+            let after = symbols[next].next;
+            symbols[pos].next = after;
+            if after != NONE {
+                symbols[after].prev = pos;
+            }
+            let before = symbols[pos].prev;
+            if before != NONE
+                && let Some(&(rank, m)) = self.merges.get(&(symbols[before].id, merged))
+            {
+                queue.push(std::cmp::Reverse((rank, before, m)));
+            }
+            if after != NONE
+                && let Some(&(rank, m)) = self.merges.get(&(merged, symbols[after].id))
+            {
+                queue.push(std::cmp::Reverse((rank, pos, m)));
+            }
+        }
+        let mut at = 0;
+        while at != NONE {
+            out.push(symbols[at].id);
+            at = symbols[at].next;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, Tokenizer};
+
+    const FRAGMENTS: &[&str] = &[
+        "the",
+        " cat",
+        " sat",
+        "'s",
+        "'ll",
+        " don't",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        "\t",
+        " ",
+        "42",
+        " 1234567",
+        "3.14",
+        "é",
+        "café",
+        " naïve",
+        "日本語",
+        " 🙂",
+        "🙂🙂",
+        "\u{a0}",
+        "!!",
+        " ?",
+        "...",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool>",
+        "<|im",
+        "_",
+        "\r\n",
+        "x",
+        "Hello",
+        " World",
+        "def f(x):",
+        "    return",
+        "{\"a\": 1}",
+        "\u{0}",
+        "\u{7f}",
+    ];
+
+    /// xorshift64*: a fixed-seed stream of texts made of [`FRAGMENTS`].
+    fn texts(seed: u64, n: usize) -> Vec<String> {
+        let mut s = seed;
+        let mut next = move || {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            s.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        (0..n)
+            .map(|_| {
+                let len = next() % 60;
+                (0..len)
+                    .map(|_| FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize])
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// A byte-level BPE trained on the texts, with added tokens of both kinds; its JSON.
+    fn trained(add_prefix_space: bool) -> Json {
+        let mut tok = Tokenizer::new(BPE::default());
+        tok.with_pre_tokenizer(Some(ByteLevel::new(add_prefix_space, true, true)));
+        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+            .vocab_size(600)
+            .min_frequency(1)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .build()
+            .into();
+        let corpus = texts(1, 500);
+        tok.train(&mut trainer, corpus.iter()).expect("trains");
+        tok.add_special_tokens([
+            AddedToken::from("<|im_start|>", true),
+            AddedToken::from("<|im_end|>", true),
+        ])
+        .expect("adds");
+        tok.add_tokens([AddedToken::from("<tool>", false).normalized(false)])
+            .expect("adds");
+        serde_json::from_str(&tok.to_string(false).expect("serialises")).expect("json")
+    }
+
+    fn load(spec: &Json) -> Tokenizer {
+        Tokenizer::from_bytes(spec.to_string().as_bytes()).expect("loads")
+    }
+
+    fn same_as_the_crate(name: &str, tok: &Tokenizer) {
+        let bpe = ByteBpe::new(tok).expect(name);
+        // Twice: the second pass finds the words in the cache.
+        for _ in 0..2 {
+            for text in texts(7, 600) {
+                let want = tok.encode_fast(text.as_str(), false).expect("encodes");
+                let mut got = Vec::new();
+                bpe.encode(&text, &mut got);
+                assert_eq!(got, want.get_ids(), "{name}: {text:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn byte_level_ids_are_the_tokenizers_own() {
+        let plain = trained(false);
+        same_as_the_crate("plain", &load(&plain));
+        same_as_the_crate("prefix space", &load(&trained(true)));
+        let mut ignore = plain.clone();
+        ignore["model"]["ignore_merges"] = Json::Bool(true);
+        same_as_the_crate("ignore_merges", &load(&ignore));
+        // An added token matched after normalising (there is no normaliser to change it).
+        let mut normalized = plain.clone();
+        for t in normalized["added_tokens"].as_array_mut().expect("added") {
+            if t["content"] == "<tool>" {
+                t["normalized"] = Json::Bool(true);
+            }
+        }
+        same_as_the_crate("a normalized added token", &load(&normalized));
+        // Merges written as "a b" strings, as older files have them.
+        let mut strings = plain.clone();
+        let list: Vec<Json> = plain["model"]["merges"]
+            .as_array()
+            .expect("merges")
+            .iter()
+            .map(|m| {
+                Json::String(format!(
+                    "{} {}",
+                    m[0].as_str().unwrap(),
+                    m[1].as_str().unwrap()
+                ))
+            })
+            .collect();
+        strings["model"]["merges"] = Json::Array(list);
+        same_as_the_crate("string merges", &load(&strings));
+    }
+
+    #[test]
+    fn steps_it_cannot_reproduce_are_refused() {
+        let plain = trained(false);
+        let refused = |edit: &dyn Fn(&mut Json), why: &str| {
+            let mut spec = plain.clone();
+            edit(&mut spec);
+            assert_eq!(ByteBpe::new(&load(&spec)).unwrap_err(), why);
+        };
+        refused(
+            &|s| s["normalizer"] = serde_json::json!({"type": "NFC"}),
+            "a normaliser",
+        );
+        refused(
+            &|s| s["pre_tokenizer"]["use_regex"] = Json::Bool(false),
+            "not the ByteLevel pre-tokenizer with its own pattern",
+        );
+        refused(
+            &|s| s["model"]["dropout"] = serde_json::json!(0.1),
+            "BPE with dropout, affixes or byte fallback",
+        );
+        refused(
+            &|s| {
+                for t in s["added_tokens"].as_array_mut().unwrap() {
+                    t["lstrip"] = Json::Bool(true);
+                }
+            },
+            "an added token with single_word, lstrip or rstrip",
+        );
+        refused(
+            &|s| s["truncation"] = serde_json::json!({"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}),
+            "the tokenizer truncates or pads",
+        );
+    }
+}
