@@ -1,6 +1,8 @@
 //! Where the OpenAI front's tokenisation time goes: the chat template's rendering and the
-//! tokenizer's encoding, timed apart, for prompts of several sizes; then a session's next
-//! turn encoded whole and in pieces with the previous turn's pieces cached.
+//! encoding, timed apart, for prompts of several sizes (the encoding by the tokenizer
+//! crate, and as the front encodes a prompt it has not seen: in pieces, by the byte-level
+//! encoder where the card allows it); then a session's next turn encoded whole and in
+//! pieces with the previous turn's pieces cached.
 //! `cargo run --release -p kvrouter-bench --example token_cost -- CARD_DIR`
 use std::time::Instant;
 
@@ -34,9 +36,25 @@ fn main() -> anyhow::Result<()> {
             card.encode_whole(&rendered, false).unwrap();
         });
         let n = card.encode_whole(&rendered, false)?.len();
+        // A prompt the card has not seen each time (a piece once encoded is kept); after
+        // the card's first prompts, which are also encoded whole to check them.
+        let mut unseen = (0..).map(|k| format!("{k} {rendered}"));
+        for _ in 0..kvrouter_io::proxy::pieces::VERIFY_FIRST {
+            card.encode(&unseen.next().unwrap_or_default(), false)?;
+        }
+        let front = time(&mut || {
+            card.encode(&unseen.next().unwrap_or_default(), false)
+                .unwrap();
+        });
         println!(
-            "{words} words, {n} tokens: render {render:.0} us, encode {encode:.0} us ({:.0} ns/token)",
-            encode * 1e3 / n as f64
+            "{words} words, {n} tokens: render {render:.0} us, encode {encode:.0} us ({:.0} ns/token), as the front does {front:.0} us ({:.0} ns/token{})",
+            encode * 1e3 / n as f64,
+            front * 1e3 / n as f64,
+            if card.byte_level() {
+                ", byte-level"
+            } else {
+                ""
+            }
         );
     }
     session_turns(std::path::Path::new(&dir))

@@ -655,27 +655,44 @@ fn dynamo_stack(venv: &Path, model: &Path) -> anyhow::Result<DynamoStack> {
 }
 
 /// Tokenisation cost: a chat request of about `n` prompt tokens rendered with the card's
-/// template and encoded, as the front does for a prompt it has not seen (the piece cache
-/// off: `examples/token_cost.rs` times a session's next turn with it); (tokens, median µs
-/// of 5).
-pub fn tokenisation(model: &Path, sizes: &[usize]) -> anyhow::Result<Vec<(usize, f64)>> {
-    let card = kvrouter_io::proxy::model::ModelCard::load_with(model, 0)?;
-    let mut out = Vec::new();
-    for &n in sizes {
-        let text: String = (0..n).map(|i| format!("w{} ", i % 997)).collect();
-        let req =
-            serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": text}]});
+/// template and encoded, by the tokenizer crate (the piece cache off) and as the front
+/// does for a prompt it has not seen (in pieces, by the byte-level encoder where the card
+/// allows it; `examples/token_cost.rs` also times a session's next turn); (tokens, median
+/// µs of 5 each way, whether the front's encoder is the byte-level one).
+pub fn tokenisation(model: &Path, sizes: &[usize]) -> anyhow::Result<Vec<(usize, f64, f64, bool)>> {
+    use kvrouter_io::proxy::model::ModelCard;
+    let crate_only = ModelCard::load_with(model, 0)?;
+    let front = ModelCard::load(model)?;
+    // Past the card's first prompts, which the front also encodes whole to check them.
+    for k in 0..kvrouter_io::proxy::pieces::VERIFY_FIRST {
+        front.chat_tokens(&chat(&format!("warm-up {k}")))?;
+    }
+    let median = |card: &ModelCard, text: &str| -> anyhow::Result<(usize, f64)> {
         let mut times = Vec::new();
         let mut tokens = 0;
-        for _ in 0..5 {
+        for k in 0..5 {
+            // Unseen each time: a piece once encoded is kept.
+            let req = chat(&format!("{k} {text}"));
             let t = Instant::now();
             tokens = card.chat_tokens(&req)?.len();
             times.push(t.elapsed().as_nanos() as u64);
         }
         times.sort_unstable();
-        out.push((tokens, times[2] as f64 / 1e3));
+        Ok((tokens, times[2] as f64 / 1e3))
+    };
+    let mut out = Vec::new();
+    for &n in sizes {
+        let text: String = (0..n).map(|i| format!("w{} ", i % 997)).collect();
+        let (tokens, whole) = median(&crate_only, &text)?;
+        let (_, pieces) = median(&front, &text)?;
+        out.push((tokens, whole, pieces, front.byte_level()));
     }
     Ok(out)
+}
+
+/// A chat request of one user message.
+fn chat(text: &str) -> serde_json::Value {
+    serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": text}]})
 }
 
 #[cfg(test)]

@@ -606,10 +606,16 @@ fn proxy(cfg: &kvrouter_bench::proxy::ProxyBench, runs: usize) -> anyhow::Result
             },
         );
     }
-    for (tokens, us) in kvrouter_bench::proxy::tokenisation(&cfg.model, &[1_000, 10_000, 100_000])?
+    for (tokens, whole, front, byte_level) in
+        kvrouter_bench::proxy::tokenisation(&cfg.model, &[1_000, 10_000, 100_000])?
     {
+        let by = if byte_level {
+            "byte-level encoder"
+        } else {
+            "tokenizer crate"
+        };
         println!(
-            "  tokenisation of an unseen prompt (chat template + encode) of {tokens} tokens: {us:.0} us"
+            "  tokenisation of an unseen prompt (chat template + encode) of {tokens} tokens: {whole:.0} us by the tokenizer crate, {front:.0} us as the front does ({by})"
         );
     }
     Ok(())
