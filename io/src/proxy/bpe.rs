@@ -27,12 +27,22 @@
 //! is encoded by the crate, as before. **Checked, not trusted**: this encoder's ids reach
 //! requests only through [`super::pieces`], whose checks compare them with the crate's own
 //! whole encoding (every one of a card's first prompts, then a sample), and a difference
-//! turns both off for the card.
+//! turns both off for the card. A sampled prompt is compared off the request path, so the
+//! prompt that shows a difference has already been answered with this encoder's ids; a
+//! difference that only a rare kind of text brings out would reach requests that way
+//! until it is sampled. Short prompts, which the crate encoded whole before, share that.
 //!
 //! **Memory.** Words seen recently are kept with their ids, at most [`CACHE_WORDS`] of
-//! them; when full the cache is emptied. One lock guards it, tried and never waited for.
+//! them and each under [`CACHE_WORD_BYTES`]; when full the cache is emptied. One lock
+//! guards it, tried and never waited for (a thread that finds it taken merges the word
+//! itself).
+//!
+//! **Probes at load.** A few texts (unicode, whitespace of every kind, the card's added
+//! tokens) must encode to the crate's ids, or the card is refused: this catches a
+//! post-processor that adds ids even when asked for none, and the crate's pattern
+//! running on another regex engine.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use ahash::AHashMap;
 use aho_corasick::{AhoCorasick, MatchKind};
@@ -45,6 +55,21 @@ const GPT2_PATTERN: &str =
 
 /// Words whose ids are kept (the crate keeps 10,000).
 pub(super) const CACHE_WORDS: usize = 16_384;
+
+/// Words of this many bytes or more are not kept (as in the crate): 16,384 words of a
+/// megabyte each would hold gigabytes.
+pub(super) const CACHE_WORD_BYTES: usize = 256;
+
+/// Texts encoded by the crate and by this encoder at load, which must agree: they would
+/// not if a post-processor changed the ids of a sequence even when asked to add nothing,
+/// or if the crate's pattern ran on another regex engine (its `onig` feature).
+const PROBES: &[&str] = &[
+    "",
+    "Hello, world! It's 2026: naïve café 日本語 🙂\n\n  x",
+    " leading space,\ttabs\t\tand\u{3000}ideographic\u{85}next\u{2028}line\u{b}\u{c} ends   ",
+    "def f(x):\n    return {\"a\": [1, 2.5e-3]}  # ok?!",
+    "e\u{301}\u{301} ''s 'll 'd 123456789012345 \u{0}\u{7f}\r\n",
+];
 
 /// One pass of added tokens: a matcher and, per pattern, its id.
 struct Added {
@@ -158,8 +183,8 @@ impl ByteBpe {
         };
         let mut merges = AHashMap::with_capacity(list.len());
         for (rank, m) in list.iter().enumerate() {
+            // The crate writes each merge as a pair of strings.
             let (a, b) = match m {
-                Json::String(s) => s.split_once(' ').ok_or("a malformed merge")?,
                 Json::Array(p) if p.len() == 2 => (
                     p[0].as_str().ok_or("a malformed merge")?,
                     p[1].as_str().ok_or("a malformed merge")?,
@@ -196,7 +221,7 @@ impl ByteBpe {
         }
         let whole_words = (model["ignore_merges"] == Json::Bool(true))
             .then(|| vocab.into_iter().collect::<AHashMap<_, _>>());
-        Ok(ByteBpe {
+        let bpe = ByteBpe {
             raw: Added::new(&raw)?,
             normalized: Added::new(&normalized)?,
             add_prefix_space: pre["add_prefix_space"] == Json::Bool(true),
@@ -206,7 +231,36 @@ impl ByteBpe {
             merges,
             whole_words,
             cache: Mutex::new(AHashMap::new()),
-        })
+        };
+        // Each probe alone, and with every added token in it.
+        let added: String = tok
+            .get_added_tokens_decoder()
+            .values()
+            .map(|t| format!("{} {}x", t.content, t.content))
+            .collect();
+        for probe in PROBES {
+            for text in [probe.to_string(), format!("{added}{probe}{added}")] {
+                let want = tok
+                    .encode_fast(text.as_str(), false)
+                    .map_err(|_| "a probe the tokenizer cannot encode")?;
+                let mut got = Vec::new();
+                bpe.encode(&text, &mut got);
+                if got != want.get_ids() {
+                    return Err("the ids of a probe differ from the tokenizer's");
+                }
+            }
+        }
+        Ok(bpe)
+    }
+
+    /// The word cache, unless another thread holds it (a poisoned lock is taken: no
+    /// update of the map can be left half done by a panic).
+    fn cache(&self) -> Option<MutexGuard<'_, Words>> {
+        match self.cache.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 
     /// Appends the ids of `text` (no special tokens added) to `out`.
@@ -272,7 +326,10 @@ impl ByteBpe {
         if bytes.is_empty() {
             return;
         }
-        if let Ok(cache) = self.cache.try_lock()
+        if bytes.len() >= CACHE_WORD_BYTES {
+            return self.merge(bytes, out);
+        }
+        if let Some(cache) = self.cache()
             && let Some(ids) = cache.get(bytes)
         {
             out.extend_from_slice(ids);
@@ -280,7 +337,7 @@ impl ByteBpe {
         }
         let start = out.len();
         self.merge(bytes, out);
-        if let Ok(mut cache) = self.cache.try_lock() {
+        if let Some(mut cache) = self.cache() {
             if cache.len() >= CACHE_WORDS {
                 cache.clear();
             }
@@ -367,7 +424,7 @@ impl ByteBpe {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use tokenizers::models::TrainerWrapper;
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
@@ -414,10 +471,17 @@ mod tests {
         "{\"a\": 1}",
         "\u{0}",
         "\u{7f}",
+        "\u{3000}",
+        "\u{85}",
+        "\u{2028}",
+        "\u{b}",
+        "\u{c}",
+        "e\u{301}",
+        " \u{301}",
     ];
 
     /// xorshift64*: a fixed-seed stream of texts made of [`FRAGMENTS`].
-    fn texts(seed: u64, n: usize) -> Vec<String> {
+    pub(in crate::proxy) fn texts(seed: u64, n: usize) -> Vec<String> {
         let mut s = seed;
         let mut next = move || {
             s ^= s >> 12;
@@ -428,15 +492,24 @@ mod tests {
         (0..n)
             .map(|_| {
                 let len = next() % 60;
-                (0..len)
-                    .map(|_| FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize])
-                    .collect()
+                let mut text = String::new();
+                for _ in 0..len {
+                    // One in ten: a word of random letters, up to 300 of them (past the
+                    // cache's 256 bytes), mostly unlike the training texts.
+                    if next() % 10 == 0 {
+                        let letters = 1 + next() % 300;
+                        text.extend((0..letters).map(|_| char::from(b'a' + (next() % 6) as u8)));
+                    } else {
+                        text.push_str(FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize]);
+                    }
+                }
+                text
             })
             .collect()
     }
 
     /// A byte-level BPE trained on the texts, with added tokens of both kinds; its JSON.
-    fn trained(add_prefix_space: bool) -> Json {
+    pub(in crate::proxy) fn trained(add_prefix_space: bool) -> Json {
         let mut tok = Tokenizer::new(BPE::default());
         tok.with_pre_tokenizer(Some(ByteLevel::new(add_prefix_space, true, true)));
         let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
@@ -458,7 +531,7 @@ mod tests {
         serde_json::from_str(&tok.to_string(false).expect("serialises")).expect("json")
     }
 
-    fn load(spec: &Json) -> Tokenizer {
+    pub(in crate::proxy) fn load(spec: &Json) -> Tokenizer {
         Tokenizer::from_bytes(spec.to_string().as_bytes()).expect("loads")
     }
 
@@ -480,9 +553,18 @@ mod tests {
         let plain = trained(false);
         same_as_the_crate("plain", &load(&plain));
         same_as_the_crate("prefix space", &load(&trained(true)));
+        // With a word in the vocabulary that no merge reaches: whole, it is one token.
         let mut ignore = plain.clone();
         ignore["model"]["ignore_merges"] = Json::Bool(true);
-        same_as_the_crate("ignore_merges", &load(&ignore));
+        let n = ignore["model"]["vocab"].as_object().expect("vocab").len();
+        ignore["model"]["vocab"]["ĠZZZQ"] = serde_json::json!(n + 100);
+        let tok = load(&ignore);
+        same_as_the_crate("ignore_merges", &tok);
+        let mut ids = Vec::new();
+        ByteBpe::new(&tok)
+            .expect("ignore_merges")
+            .encode("a ZZZQ", &mut ids);
+        assert_eq!(&ids[1..], &[n as u32 + 100], "{ids:?}");
         // An added token matched after normalising (there is no normaliser to change it).
         let mut normalized = plain.clone();
         for t in normalized["added_tokens"].as_array_mut().expect("added") {
@@ -491,22 +573,6 @@ mod tests {
             }
         }
         same_as_the_crate("a normalized added token", &load(&normalized));
-        // Merges written as "a b" strings, as older files have them.
-        let mut strings = plain.clone();
-        let list: Vec<Json> = plain["model"]["merges"]
-            .as_array()
-            .expect("merges")
-            .iter()
-            .map(|m| {
-                Json::String(format!(
-                    "{} {}",
-                    m[0].as_str().unwrap(),
-                    m[1].as_str().unwrap()
-                ))
-            })
-            .collect();
-        strings["model"]["merges"] = Json::Array(list);
-        same_as_the_crate("string merges", &load(&strings));
     }
 
     #[test]
@@ -540,6 +606,16 @@ mod tests {
         refused(
             &|s| s["truncation"] = serde_json::json!({"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}),
             "the tokenizer truncates or pads",
+        );
+        // A post-processor that adds to a sequence even when asked to add nothing.
+        refused(
+            &|s| {
+                s["post_processor"] = serde_json::json!({"type": "TemplateProcessing",
+                    "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {}})
+            },
+            "the ids of a probe differ from the tokenizer's",
         );
     }
 }

@@ -600,6 +600,49 @@ mod tests {
         tok.encode(text, false).expect("encodes").get_ids().to_vec()
     }
 
+    /// A byte-level card: its pieces, and prompts too short to cut or with nothing to cut
+    /// at, are encoded by the byte-level encoder as one piece, checked like the others.
+    #[test]
+    fn byte_level_pieces_and_short_prompts_give_the_whole_encoding() {
+        use super::super::bpe::tests::{load, texts, trained};
+        let tok = Arc::new(load(&trained(false)));
+        let p = Pieces::with_min_piece(&tok, 1 << 20, 16).expect("pieces");
+        assert!(p.byte_level());
+        let (mut short, mut cut) = (0, 0);
+        for pass in 0..2 {
+            for text in texts(11, 400) {
+                let want = whole(&tok, &text);
+                let got = p.encode(&tok, &text, false).expect("encodes");
+                assert_eq!(got.as_ref(), Some(&want), "pass {pass}: {text:?}");
+                if p.cuts(&text).is_empty() || text.len() < 32 {
+                    short += 1;
+                } else {
+                    cut += 1;
+                }
+            }
+        }
+        assert!(short > 50 && cut > 50, "{short} short, {cut} cut");
+        let s = p.stats();
+        assert_eq!(s.prompts.load(Relaxed), 800);
+        assert_eq!(s.mismatches.load(Relaxed), 0);
+        assert!(s.verified.load(Relaxed) >= VERIFY_FIRST);
+        assert!(s.hits.load(Relaxed) > 0, "the second pass hits");
+        // Off after a difference: every prompt, short ones too, goes back to the crate.
+        let q = Pieces::with_min_piece(&tok, 1 << 20, 16).expect("pieces");
+        let text = "x".repeat(40) + "<|im_start|>" + &"y".repeat(40) + "<|im_end|>";
+        assert_eq!(
+            q.encode(&tok, &text, false).expect("encodes"),
+            Some(whole(&tok, &text))
+        );
+        corrupt_first_piece(&q);
+        assert_eq!(
+            q.encode(&tok, &text, false).expect("encodes"),
+            Some(whole(&tok, &text))
+        );
+        assert!(q.is_off());
+        assert_eq!(q.encode(&tok, "short", false).expect("encodes"), None);
+    }
+
     #[test]
     fn pieces_give_the_whole_encoding_for_every_kind_of_tokenizer() {
         for (name, tok) in [
