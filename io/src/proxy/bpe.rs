@@ -480,15 +480,20 @@ pub(super) mod tests {
         " \u{301}",
     ];
 
-    /// xorshift64*: a fixed-seed stream of texts made of [`FRAGMENTS`].
-    pub(in crate::proxy) fn texts(seed: u64, n: usize) -> Vec<String> {
+    /// xorshift64*: a fixed-seed stream of numbers for test texts.
+    pub(in crate::proxy) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
         let mut s = seed;
-        let mut next = move || {
+        move || {
             s ^= s >> 12;
             s ^= s << 25;
             s ^= s >> 27;
             s.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        };
+        }
+    }
+
+    /// A fixed-seed stream of texts made of [`FRAGMENTS`] and random words.
+    pub(in crate::proxy) fn texts(seed: u64, n: usize) -> Vec<String> {
+        let mut next = xorshift(seed);
         (0..n)
             .map(|_| {
                 let len = next() % 60;
@@ -496,7 +501,7 @@ pub(super) mod tests {
                 for _ in 0..len {
                     // One in ten: a word of random letters, up to 300 of them (past the
                     // cache's 256 bytes), mostly unlike the training texts.
-                    if next() % 10 == 0 {
+                    if next().is_multiple_of(10) {
                         let letters = 1 + next() % 300;
                         text.extend((0..letters).map(|_| char::from(b'a' + (next() % 6) as u8)));
                     } else {

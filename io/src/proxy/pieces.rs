@@ -577,15 +577,9 @@ mod tests {
         ))
     }
 
-    /// xorshift64*: a fixed-seed stream for the texts.
+    /// A fixed-seed stream of texts made of [`FRAGMENTS`].
     fn texts(seed: u64, n: usize) -> Vec<String> {
-        let mut s = seed;
-        let mut next = move || {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            s.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        };
+        let mut next = super::super::bpe::tests::xorshift(seed);
         (0..n)
             .map(|_| {
                 let len = 1 + next() % 80;
