@@ -84,7 +84,12 @@ fn check(card_dir: &std::path::Path, requests: &[serde_json::Value]) -> ModelCar
 fn session(tools: bool) -> Vec<serde_json::Value> {
     let long = |t: usize| -> String {
         (0..120)
-            .map(|i| format!("line {t}.{i}: the cache holds block {} \n", i * 37 % 101))
+            .map(|i| {
+                format!(
+                    "line {t}.{i}: the cache holds block {} (cafe\u{301}, 日本語) \n",
+                    i * 37 % 101
+                )
+            })
             .collect()
     };
     let mut messages = vec![
@@ -178,9 +183,22 @@ fn qwen_sessions_with_tools_in_pieces_match_transformers() {
             "id": next + i, "content": content, "single_word": false, "lstrip": false,
             "rstrip": false, "normalized": false, "special": special}));
     }
+    // Qwen 2's steps before the vocabulary: NFC, then its pattern, then the byte-level
+    // alphabet (the tiny card's merges and vocabulary stay).
+    tok["normalizer"] = json!({"type": "NFC"});
+    tok["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated",
+         "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+         "use_regex": false}]});
     std::fs::write(&path, tok.to_string()).expect("write");
     check_session(&dir, true);
+    let card = ModelCard::load(&dir).expect("card loads");
+    assert!(card.byte_level(), "Qwen 2's shape is encoded by the router");
 }
+
+/// Qwen 2's `Split` pattern, as its `tokenizer.json` has it.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 #[test]
 fn tiny_card_ids_match_transformers() {

@@ -1,6 +1,9 @@
-//! Token ids of text for the byte-level BPE tokenizers whose every step it can reproduce
-//! (GPT-2's shape: no normaliser, the `ByteLevel` pre-tokenizer splitting with its own
-//! pattern, a plain BPE model), without building the `tokenizers` crate's `Encoding`.
+//! Token ids of text for the byte-level BPE tokenizers whose every step it can reproduce,
+//! without building the `tokenizers` crate's `Encoding`. Those are GPT-2's shape (no
+//! normaliser, the `ByteLevel` pre-tokenizer splitting with its own pattern, a plain BPE
+//! model) and the shape of Llama 3, Qwen 2 and DeepSeek V3 (an `NFC` normaliser or none,
+//! one or more `Split` steps by a regex, isolating what it matches, then `ByteLevel`
+//! without its pattern).
 //!
 //! **Why.** For a short chat prompt, `Tokenizer::encode_fast` was about a fifth of the
 //! front's CPU per request (docs/BENCHMARKS.md, "Prompts encoded by the byte-level
@@ -11,12 +14,16 @@
 //! **The same steps, in the same order.** As `tokenizers` 0.23 does for `encode(text,
 //! false)`:
 //! 1. the added tokens are split off the raw text, leftmost-longest: first those matched
-//!    on the raw text (`normalized: false`), then, in what is left, the others (with no
-//!    normaliser both see the same text);
-//! 2. each remaining split gets a space in front where `add_prefix_space` asks for one and
-//!    it has none, and is cut by GPT-2's pattern (the crate's own, run by the same
-//!    `fancy-regex`) into words and the gaps between them (a match the engine gives up on
-//!    ends the matches there, as in the crate);
+//!    on the raw text (`normalized: false`), then each split between them is normalised
+//!    (`NFC`, by the crate's own `unicode-normalization-alignments`) and, in it, the
+//!    others are split off (their text normalised too);
+//! 2. each remaining split is cut by each `Split` step's regex in turn into its matches and
+//!    the gaps between them (run by the same `fancy-regex` as the crate, on each split
+//!    alone; a match the engine gives up on ends the matches there, as in the crate); then
+//!    each part gets a space in front where `add_prefix_space` asks for one and it has
+//!    none, and, where the `ByteLevel` step uses its own pattern, is cut by GPT-2's
+//!    pattern into words and the gaps between them (an empty part is dropped, as the crate
+//!    drops empty splits);
 //! 3. each word's bytes become the byte-level alphabet's symbols, one per byte, and are
 //!    merged by rank, the lowest first and, among equal ranks, the leftmost, as the
 //!    crate's `Word::merge_all` does (with `ignore_merges`, a word that is itself in the
@@ -42,12 +49,14 @@
 //! post-processor that adds ids even when asked for none, and the crate's pattern
 //! running on another regex engine.
 
+use std::borrow::Cow;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use ahash::AHashMap;
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
+use unicode_normalization_alignments::UnicodeNormalization;
 
 /// GPT-2's pattern, as the `ByteLevel` pre-tokenizer of `tokenizers` 0.23 has it.
 const GPT2_PATTERN: &str =
@@ -98,8 +107,13 @@ pub(super) struct ByteBpe {
     /// The added tokens matched on the raw text, then those matched after normalising.
     raw: Option<Added>,
     normalized: Option<Added>,
+    /// Whether the normaliser is `NFC` (otherwise there is none).
+    nfc: bool,
+    /// The `Split` steps' regexes, in order.
+    splits: Vec<fancy_regex::Regex>,
     add_prefix_space: bool,
-    pattern: fancy_regex::Regex,
+    /// GPT-2's pattern, where the `ByteLevel` step uses it.
+    pattern: Option<fancy_regex::Regex>,
     /// Each byte's symbol: the id of its byte-level character.
     byte_ids: [u32; 256],
     /// Each byte's byte-level character (for `ignore_merges`' look-ups).
@@ -118,9 +132,65 @@ impl std::fmt::Debug for ByteBpe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ByteBpe")
             .field("merges", &self.merges.len())
+            .field("nfc", &self.nfc)
+            .field("splits", &self.splits.len())
             .field("add_prefix_space", &self.add_prefix_space)
+            .field("byte_level_pattern", &self.pattern.is_some())
             .finish_non_exhaustive()
     }
+}
+
+/// The NFC form of `text`, as the crate's `NFC` normaliser gives it (ASCII is its own).
+fn nfc(text: &str) -> Cow<'_, str> {
+    if text.is_ascii() {
+        Cow::Borrowed(text)
+    } else {
+        Cow::Owned(text.nfc().map(|(c, _)| c).collect())
+    }
+}
+
+/// The pre-tokenizer's steps: the `Split` regexes in order, then the `ByteLevel` step's
+/// `add_prefix_space` and `use_regex`.
+type Steps = (Vec<fancy_regex::Regex>, bool, bool);
+
+/// The steps of a `ByteLevel` pre-tokenizer, or of a `Sequence` of isolating `Split`
+/// steps by a regex followed by one `ByteLevel`.
+fn steps(pre: &Json) -> Result<Steps, &'static str> {
+    let byte_level = |p: &Json| {
+        (p["type"] == "ByteLevel").then(|| {
+            (
+                p["add_prefix_space"] == Json::Bool(true),
+                p["use_regex"] != Json::Bool(false),
+            )
+        })
+    };
+    if let Some((prefix, regex)) = byte_level(pre) {
+        return Ok((Vec::new(), prefix, regex));
+    }
+    let not_ours = "not a ByteLevel pre-tokenizer, alone or after isolating regex splits";
+    if pre["type"] != "Sequence" {
+        return Err(not_ours);
+    }
+    let list = pre["pretokenizers"].as_array().ok_or(not_ours)?;
+    let (last, splits) = list.split_last().ok_or(not_ours)?;
+    let (prefix, regex) = byte_level(last).ok_or(not_ours)?;
+    let splits = splits
+        .iter()
+        .map(|p| {
+            let regex = p["pattern"]["Regex"].as_str();
+            match regex {
+                Some(r)
+                    if p["type"] == "Split"
+                        && p["behavior"] == "Isolated"
+                        && p["invert"] != Json::Bool(true) =>
+                {
+                    fancy_regex::Regex::new(r).map_err(|_| "a Split regex fancy-regex rejects")
+                }
+                _ => Err(not_ours),
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((splits, prefix, regex))
 }
 
 /// GPT-2's map of bytes to printable characters (the `ByteLevel` alphabet).
@@ -151,13 +221,12 @@ impl ByteBpe {
         }
         let spec: Json = serde_json::from_str(&tok.to_string(false).map_err(|_| "unreadable")?)
             .map_err(|_| "unreadable")?;
-        if !spec["normalizer"].is_null() {
-            return Err("a normaliser");
-        }
-        let pre = &spec["pre_tokenizer"];
-        if pre["type"] != "ByteLevel" || pre["use_regex"] != Json::Bool(true) {
-            return Err("not the ByteLevel pre-tokenizer with its own pattern");
-        }
+        let nfc = match &spec["normalizer"] {
+            Json::Null => false,
+            n if n["type"] == "NFC" => true,
+            _ => return Err("a normaliser other than NFC"),
+        };
+        let (splits, add_prefix_space, use_regex) = steps(&spec["pre_tokenizer"])?;
         let model = &spec["model"];
         if model["type"] != "BPE" {
             return Err("not a BPE model");
@@ -214,7 +283,13 @@ impl ByteBpe {
                 continue;
             }
             if t.normalized {
-                normalized.push((id, t.content));
+                // Matched on normalised text, so normalised itself (as the crate does).
+                let content = if nfc {
+                    self::nfc(&t.content).into_owned()
+                } else {
+                    t.content
+                };
+                normalized.push((id, content));
             } else {
                 raw.push((id, t.content));
             }
@@ -224,8 +299,14 @@ impl ByteBpe {
         let bpe = ByteBpe {
             raw: Added::new(&raw)?,
             normalized: Added::new(&normalized)?,
-            add_prefix_space: pre["add_prefix_space"] == Json::Bool(true),
-            pattern: fancy_regex::Regex::new(GPT2_PATTERN).map_err(|_| "the pattern")?,
+            nfc,
+            splits,
+            add_prefix_space,
+            pattern: if use_regex {
+                Some(fancy_regex::Regex::new(GPT2_PATTERN).map_err(|_| "the pattern")?)
+            } else {
+                None
+            },
             byte_ids,
             byte_chars: chars,
             merges,
@@ -272,10 +353,12 @@ impl ByteBpe {
     /// is between them.
     fn split_added(&self, text: &str, pass: Option<&Added>, first: bool, out: &mut Vec<u32>) {
         let next = |s: &str, out: &mut Vec<u32>| {
-            if first {
-                self.split_added(s, self.normalized.as_ref(), false, out)
+            if !first {
+                self.split(0, s, out)
+            } else if self.nfc {
+                self.split_added(&nfc(s), self.normalized.as_ref(), false, out)
             } else {
-                self.split_words(s, out)
+                self.split_added(s, self.normalized.as_ref(), false, out)
             }
         };
         let Some(added) = pass else {
@@ -294,11 +377,33 @@ impl ByteBpe {
         }
     }
 
-    /// Encodes a split with no added token in it: GPT-2's words and the gaps between them.
-    fn split_words(&self, text: &str, out: &mut Vec<u32>) {
+    /// Encodes a part of a split with no added token in it, cut by the `Split` steps from
+    /// the `step`th on.
+    fn split(&self, step: usize, text: &str, out: &mut Vec<u32>) {
         if text.is_empty() {
             return;
         }
+        let Some(regex) = self.splits.get(step) else {
+            return self.split_words(text, out);
+        };
+        let mut from = 0;
+        for m in regex.find_iter(text) {
+            // As below: the rest is one part.
+            let Ok(m) = m else { break };
+            if m.start() > from {
+                self.split(step + 1, &text[from..m.start()], out);
+            }
+            self.split(step + 1, m.as_str(), out);
+            from = m.end();
+        }
+        if from < text.len() {
+            self.split(step + 1, &text[from..], out);
+        }
+    }
+
+    /// Encodes a part the `Split` steps left (not empty): the `ByteLevel` step's prefix
+    /// space and, with its pattern, GPT-2's words and the gaps between them.
+    fn split_words(&self, text: &str, out: &mut Vec<u32>) {
         let spaced;
         let text = if self.add_prefix_space && !text.starts_with(' ') {
             spaced = format!(" {text}");
@@ -306,8 +411,11 @@ impl ByteBpe {
         } else {
             text
         };
+        let Some(pattern) = &self.pattern else {
+            return self.word(text.as_bytes(), out);
+        };
         let mut from = 0;
-        for m in self.pattern.find_iter(text) {
+        for m in pattern.find_iter(text) {
             // The crate stops at a match the engine gives up on: the rest is one gap.
             let Ok(m) = m else { break };
             if m.start() > from {
@@ -428,8 +536,19 @@ pub(super) mod tests {
     use super::*;
     use tokenizers::models::TrainerWrapper;
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::normalizers::NFC;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{AddedToken, Tokenizer};
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{
+        AddedToken, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
+    };
+
+    /// Llama 3's `Split` pattern (as its `tokenizer.json` has it).
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+    /// Qwen 2's: one digit per part.
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
     const FRAGMENTS: &[&str] = &[
         "the",
@@ -478,6 +597,27 @@ pub(super) mod tests {
         "\u{c}",
         "e\u{301}",
         " \u{301}",
+        // Text that NFC changes: combining marks, the Angstrom sign, Hangul jamo.
+        "e\u{301}x",
+        "éx",
+        "A\u{30a}",
+        "\u{212b}",
+        "\u{1100}\u{1161}\u{11a8}",
+        "\u{1e0b}\u{323}",
+        // For Llama 3's and Qwen 2's patterns: case-folded contractions, digit runs, a
+        // letter run after a symbol, symbols before line breaks.
+        "'S",
+        "'LL",
+        "'Re",
+        "1234567890",
+        "_private",
+        "$var",
+        ";\n",
+        "}\r\n\r\n",
+        " \n \n",
+        "中文字符",
+        "ひらがな",
+        "カタカナ",
     ];
 
     /// xorshift64*: a fixed-seed stream of numbers for test texts.
@@ -513,10 +653,37 @@ pub(super) mod tests {
             .collect()
     }
 
-    /// A byte-level BPE trained on the texts, with added tokens of both kinds; its JSON.
+    /// A byte-level BPE of GPT-2's shape trained on the texts, with added tokens of both
+    /// kinds; its JSON.
     pub(in crate::proxy) fn trained(add_prefix_space: bool) -> Json {
+        trained_as(None, ByteLevel::new(add_prefix_space, true, true).into())
+    }
+
+    /// The pre-tokenizer of Llama 3's shape for `splits`: each an isolating `Split`, then
+    /// `ByteLevel` without its pattern.
+    fn split_then_byte_level(splits: &[&str], byte_level: ByteLevel) -> PreTokenizerWrapper {
+        let mut steps: Vec<PreTokenizerWrapper> = splits
+            .iter()
+            .map(|r| {
+                Split::new(
+                    SplitPattern::Regex((*r).into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .expect("a regex")
+                .into()
+            })
+            .collect();
+        steps.push(byte_level.into());
+        Sequence::new(steps).into()
+    }
+
+    /// As [`trained`], with this normaliser and pre-tokenizer, and one more added token
+    /// matched after normalising whose text NFC changes.
+    fn trained_as(normalizer: Option<NormalizerWrapper>, pre: PreTokenizerWrapper) -> Json {
         let mut tok = Tokenizer::new(BPE::default());
-        tok.with_pre_tokenizer(Some(ByteLevel::new(add_prefix_space, true, true)));
+        tok.with_normalizer(normalizer).expect("a normaliser");
+        tok.with_pre_tokenizer(Some(pre));
         let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
             .vocab_size(600)
             .min_frequency(1)
@@ -531,8 +698,11 @@ pub(super) mod tests {
             AddedToken::from("<|im_end|>", true),
         ])
         .expect("adds");
-        tok.add_tokens([AddedToken::from("<tool>", false).normalized(false)])
-            .expect("adds");
+        tok.add_tokens([
+            AddedToken::from("<tool>", false).normalized(false),
+            AddedToken::from("e\u{301}x", false).normalized(true),
+        ])
+        .expect("adds");
         serde_json::from_str(&tok.to_string(false).expect("serialises")).expect("json")
     }
 
@@ -581,6 +751,55 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn split_then_byte_level_ids_are_the_tokenizers_own() {
+        // Llama 3: no normaliser, its pattern, `ignore_merges`.
+        let mut llama = trained_as(
+            None,
+            split_then_byte_level(&[LLAMA3], ByteLevel::new(false, true, false)),
+        );
+        llama["model"]["ignore_merges"] = Json::Bool(true);
+        same_as_the_crate("Llama 3", &load(&llama));
+        // Qwen 2: NFC first, then its pattern.
+        let qwen = trained_as(
+            Some(NFC.into()),
+            split_then_byte_level(&[QWEN2], ByteLevel::new(false, true, false)),
+        );
+        assert_eq!(qwen["normalizer"]["type"], "NFC");
+        let tok = load(&qwen);
+        same_as_the_crate("Qwen 2", &tok);
+        // The added token whose text NFC changes is matched in its normal form.
+        let bpe = ByteBpe::new(&tok).expect("Qwen 2");
+        let id = tok.token_to_id("e\u{301}x").expect("added");
+        for text in ["e\u{301}x", "éx"] {
+            let mut ids = Vec::new();
+            bpe.encode(text, &mut ids);
+            assert_eq!(ids, [id], "{text:?}");
+        }
+        // Three splits before the bytes, as DeepSeek V3 has (digits, then CJK runs, then
+        // words).
+        let three = trained_as(
+            Some(NFC.into()),
+            split_then_byte_level(
+                &[r"\p{N}{1,3}", "[一-龥\u{3040}-ゟ゠-ヿ]+", LLAMA3],
+                ByteLevel::new(false, true, false),
+            ),
+        );
+        same_as_the_crate("three splits", &load(&three));
+        // A split before `ByteLevel` with its own pattern and a prefix space: each part
+        // gets its space.
+        let lines = trained_as(
+            None,
+            split_then_byte_level(&[r"\n+"], ByteLevel::new(true, true, true)),
+        );
+        same_as_the_crate("lines, then GPT-2's words", &load(&lines));
+        // `ByteLevel` alone without its pattern: each split is one word.
+        same_as_the_crate(
+            "no pattern",
+            &load(&trained_as(None, ByteLevel::new(false, true, false).into())),
+        );
+    }
+
+    #[test]
     fn steps_it_cannot_reproduce_are_refused() {
         let plain = trained(false);
         let refused = |edit: &dyn Fn(&mut Json), why: &str| {
@@ -589,12 +808,59 @@ pub(super) mod tests {
             assert_eq!(ByteBpe::new(&load(&spec)).unwrap_err(), why);
         };
         refused(
-            &|s| s["normalizer"] = serde_json::json!({"type": "NFC"}),
-            "a normaliser",
+            &|s| s["normalizer"] = serde_json::json!({"type": "NFKC"}),
+            "a normaliser other than NFC",
         );
+        let not_ours = "not a ByteLevel pre-tokenizer, alone or after isolating regex splits";
+        let split = |behavior: &str, pattern: Json| {
+            serde_json::json!({"type": "Split", "pattern": pattern, "behavior": behavior,
+                "invert": false})
+        };
+        let sequence = |steps: Vec<Json>| {
+            move |s: &mut Json| {
+                s["pre_tokenizer"] = serde_json::json!({"type": "Sequence",
+                    "pretokenizers": steps.clone()})
+            }
+        };
+        let byte_level = plain["pre_tokenizer"].clone();
+        for steps in [
+            // Splits that keep the delimiter with a neighbour, drop it, or are inverted.
+            vec![
+                split("MergedWithPrevious", serde_json::json!({"Regex": "x"})),
+                byte_level.clone(),
+            ],
+            vec![
+                split("Removed", serde_json::json!({"Regex": "x"})),
+                byte_level.clone(),
+            ],
+            vec![
+                {
+                    let mut s = split("Isolated", serde_json::json!({"Regex": "x"}));
+                    s["invert"] = Json::Bool(true);
+                    s
+                },
+                byte_level.clone(),
+            ],
+            // A literal pattern, another step, nothing after the split, nothing at all.
+            vec![
+                split("Isolated", serde_json::json!({"String": "x"})),
+                byte_level.clone(),
+            ],
+            vec![
+                serde_json::json!({"type": "Digits", "individual_digits": true}),
+                byte_level.clone(),
+            ],
+            vec![
+                byte_level.clone(),
+                split("Isolated", serde_json::json!({"Regex": "x"})),
+            ],
+            vec![],
+        ] {
+            refused(&sequence(steps), not_ours);
+        }
         refused(
-            &|s| s["pre_tokenizer"]["use_regex"] = Json::Bool(false),
-            "not the ByteLevel pre-tokenizer with its own pattern",
+            &|s| s["pre_tokenizer"] = serde_json::json!({"type": "Whitespace"}),
+            not_ours,
         );
         refused(
             &|s| s["model"]["dropout"] = serde_json::json!(0.1),
