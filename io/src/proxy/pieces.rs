@@ -160,7 +160,9 @@ type Sample = (Box<str>, bool, Vec<u32>);
 /// A card's piecewise encoder.
 pub(crate) struct Pieces {
     /// Every added token matched on the raw text, as the tokenizer matches them.
-    matcher: AhoCorasick,
+    /// None where the tokenizer has no added token matched on the raw text: each prompt is
+    /// then one piece, for the byte-level encoder.
+    matcher: Option<AhoCorasick>,
     /// Per pattern: its id, and whether a piece may be cut at it (`single_word` tokens may
     /// be skipped by the tokenizer where they touch a word: never cut there).
     tokens: Vec<(u32, bool)>,
@@ -220,13 +222,24 @@ impl Pieces {
             .filter(|(_, t)| !t.normalized && !t.content.is_empty())
             .collect();
         added.sort_by_key(|(id, _)| *id);
-        if !added.iter().any(|(_, t)| !t.single_word) {
+        let fast = ByteBpe::new(tok)
+            .map_err(|why| tracing::debug!(why, "pieces are encoded by the tokenizer itself"))
+            .ok();
+        // Without a token to cut at, each prompt is one piece: only worth it when the
+        // byte-level encoder encodes it (GPT-2's own card matches its one added token
+        // after normalising).
+        if fast.is_none() && !added.iter().any(|(_, t)| !t.single_word) {
             return Err("no added token to cut at");
         }
-        let matcher = AhoCorasick::builder()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(added.iter().map(|(_, t)| t.content.as_str()))
-            .map_err(|_| "the added tokens do not build a matcher")?;
+        let matcher = if added.is_empty() {
+            None
+        } else {
+            let m = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(added.iter().map(|(_, t)| t.content.as_str()))
+                .map_err(|_| "the added tokens do not build a matcher")?;
+            Some(m)
+        };
         let shared = Arc::new(Shared::default());
         let (tx, rx) = flume::bounded::<Sample>(1);
         let checker = {
@@ -245,9 +258,6 @@ impl Pieces {
                 .map_err(|e| tracing::warn!(error = %e, "no checker thread: sampled prompts are compared inline"))
                 .ok()
         };
-        let fast = ByteBpe::new(tok)
-            .map_err(|why| tracing::debug!(why, "pieces are encoded by the tokenizer itself"))
-            .ok();
         Ok(Self {
             fast,
             framing: framing(tok),
@@ -282,8 +292,11 @@ impl Pieces {
     /// Where `text` is cut: each cut token's start, end and id.
     fn cuts(&self, text: &str) -> Vec<(usize, usize, u32)> {
         let mut out = Vec::new();
+        let Some(matcher) = &self.matcher else {
+            return out;
+        };
         let mut from = 0;
-        for m in self.matcher.find_iter(text) {
+        for m in matcher.find_iter(text) {
             let (id, cut) = self.tokens[m.pattern().as_usize()];
             if cut && m.start() >= from + self.min_piece {
                 out.push((m.start(), m.end(), id));
@@ -635,6 +648,34 @@ mod tests {
         );
         assert!(q.is_off());
         assert_eq!(q.encode(&tok, "short", false).expect("encodes"), None);
+    }
+
+    /// GPT-2's own card matches its one added token (`<|endoftext|>`) after normalising:
+    /// nothing to cut at, but every prompt is one piece for the byte-level encoder.
+    #[test]
+    fn a_byte_level_card_with_nothing_to_cut_at_is_one_piece_per_prompt() {
+        use super::super::bpe::tests::{load, texts, trained};
+        let mut spec = trained(false);
+        let added = spec["added_tokens"].as_array_mut().expect("added");
+        added.retain(|t| t["content"] == "<|im_end|>");
+        added[0]["normalized"] = serde_json::Value::Bool(true);
+        let tok = Arc::new(load(&spec));
+        let p = Pieces::with_min_piece(&tok, 1 << 20, 16).expect("pieces");
+        assert!(p.byte_level());
+        for text in texts(13, 200) {
+            assert!(p.cuts(&text).is_empty());
+            let got = p.encode(&tok, &text, false).expect("encodes");
+            assert_eq!(got, Some(whole(&tok, &text)), "{text:?}");
+        }
+        assert_eq!(p.stats().mismatches.load(Relaxed), 0);
+        // Without the byte-level encoder, such a card is encoded whole.
+        spec["pre_tokenizer"]["use_regex"] = serde_json::Value::Bool(false);
+        spec["normalizer"] = serde_json::json!({"type": "NFKC"});
+        let tok = Arc::new(load(&spec));
+        assert_eq!(
+            Pieces::with_min_piece(&tok, 1 << 20, 16).unwrap_err(),
+            "no added token to cut at"
+        );
     }
 
     #[test]
