@@ -1,6 +1,8 @@
 //! The front's byte-level BPE encoder (`io/src/proxy/bpe.rs`) against the `tokenizers`
-//! crate it stands in for: on any text, for a card of each shape it takes (GPT-2's, Llama
-//! 3's, Qwen 2's with its NFC normaliser), its ids are the crate's `encode_fast` ids.
+//! crate it stands in for: on any text, for a card of each shape it takes (GPT-2's with and
+//! without a prefix space, Llama 3's with `ignore_merges`, Qwen 2's with its NFC
+//! normaliser, DeepSeek V3's three splits with an empty normaliser sequence), its ids are
+//! the crate's `encode_fast` ids.
 //!
 //! The first byte picks the card, the rest is the text (invalid UTF-8 replaced). The cards
 //! are trained at start on a small fixed corpus, with added tokens of both kinds (one whose
@@ -76,18 +78,42 @@ fn card(normalizer: Option<NormalizerWrapper>, pre: PreTokenizerWrapper) -> Toke
     tok
 }
 
+/// `tok` with its JSON edited.
+fn edited(tok: &Tokenizer, edit: impl Fn(&mut serde_json::Value)) -> Tokenizer {
+    let mut spec: serde_json::Value =
+        serde_json::from_str(&tok.to_string(false).expect("serialises")).expect("json");
+    edit(&mut spec);
+    Tokenizer::from_bytes(spec.to_string().as_bytes()).expect("loads")
+}
+
 static CARDS: LazyLock<Vec<(Tokenizer, bpe::ByteBpe)>> = LazyLock::new(|| {
     let byte_level = |regex| ByteLevel::new(false, true, regex);
     [
         card(None, byte_level(true).into()),
         card(None, ByteLevel::new(true, true, true).into()),
-        card(
-            None,
-            Sequence::new(vec![split(LLAMA3), byte_level(false).into()]).into(),
+        edited(
+            &card(
+                None,
+                Sequence::new(vec![split(LLAMA3), byte_level(false).into()]).into(),
+            ),
+            |s| s["model"]["ignore_merges"] = true.into(),
         ),
         card(
             Some(NFC.into()),
             Sequence::new(vec![split(QWEN2), byte_level(false).into()]).into(),
+        ),
+        edited(
+            &card(
+                None,
+                Sequence::new(vec![
+                    split(r"\p{N}{1,3}"),
+                    split("[一-龥\u{3040}-ゟ゠-ヿ]+"),
+                    split(LLAMA3),
+                    byte_level(false).into(),
+                ])
+                .into(),
+            ),
+            |s| s["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []}),
         ),
     ]
     .into_iter()

@@ -44,6 +44,9 @@
 //! guards it, tried and never waited for (a thread that finds it taken merges the word
 //! itself).
 //!
+//! **Also compiled by the fuzz crate** (`fuzz/fuzz_targets/byte_bpe.rs` includes this file
+//! by path): outside its tests, it names nothing of this crate.
+//!
 //! **Probes at load.** A few texts (unicode, whitespace of every kind, the card's added
 //! tokens) must encode to the crate's ids, or the card is refused: this catches a
 //! post-processor that adds ids even when asked for none, and the crate's pattern
@@ -149,6 +152,25 @@ fn nfc(text: &str) -> Cow<'_, str> {
     }
 }
 
+/// Whether the normaliser is `NFC` (`false`: none): none, an empty `Sequence` (DeepSeek V3
+/// has one), `NFC`, or a `Sequence` of `NFC` alone.
+fn normaliser(n: &Json) -> Result<bool, &'static str> {
+    let steps: Vec<&Json> = match n {
+        Json::Null => Vec::new(),
+        n if n["type"] == "Sequence" => n["normalizers"]
+            .as_array()
+            .ok_or("a malformed normaliser")?
+            .iter()
+            .collect(),
+        n => vec![n],
+    };
+    match steps[..] {
+        [] => Ok(false),
+        [n] if n["type"] == "NFC" => Ok(true),
+        _ => Err("a normaliser other than NFC"),
+    }
+}
+
 /// The pre-tokenizer's steps: the `Split` regexes in order, then the `ByteLevel` step's
 /// `add_prefix_space` and `use_regex`.
 type Steps = (Vec<fancy_regex::Regex>, bool, bool);
@@ -221,11 +243,7 @@ impl ByteBpe {
         }
         let spec: Json = serde_json::from_str(&tok.to_string(false).map_err(|_| "unreadable")?)
             .map_err(|_| "unreadable")?;
-        let nfc = match &spec["normalizer"] {
-            Json::Null => false,
-            n if n["type"] == "NFC" => true,
-            _ => return Err("a normaliser other than NFC"),
-        };
+        let nfc = normaliser(&spec["normalizer"])?;
         let (splits, add_prefix_space, use_regex) = steps(&spec["pre_tokenizer"])?;
         let model = &spec["model"];
         if model["type"] != "BPE" {
@@ -240,6 +258,13 @@ impl ByteBpe {
             return Err("BPE with dropout, affixes or byte fallback");
         }
         let vocab = tok.get_vocab(false);
+        // The merges are read back as strings from the crate's id → string map: with two
+        // strings of one id, the string a merge names could be the other one.
+        let mut ids: Vec<u32> = vocab.values().copied().collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err("two vocabulary entries with one id");
+        }
         let chars = byte_chars();
         let mut byte_ids = [0u32; 256];
         for (b, c) in chars.iter().enumerate() {
@@ -785,6 +810,15 @@ pub(super) mod tests {
             ),
         );
         same_as_the_crate("three splits", &load(&three));
+        // DeepSeek V3 writes no normaliser as an empty `Sequence`; a `Sequence` of NFC
+        // alone is NFC.
+        let mut empty = three.clone();
+        empty["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
+        same_as_the_crate("an empty normaliser sequence", &load(&empty));
+        let mut one = three.clone();
+        one["normalizer"] =
+            serde_json::json!({"type": "Sequence", "normalizers": [{"type": "NFC"}]});
+        same_as_the_crate("a sequence of NFC", &load(&one));
         // A split before `ByteLevel` with its own pattern and a prefix space: each part
         // gets its space.
         let lines = trained_as(
@@ -810,6 +844,18 @@ pub(super) mod tests {
         refused(
             &|s| s["normalizer"] = serde_json::json!({"type": "NFKC"}),
             "a normaliser other than NFC",
+        );
+        refused(
+            &|s| {
+                s["normalizer"] = serde_json::json!({"type": "Sequence",
+                    "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]})
+            },
+            "a normaliser other than NFC",
+        );
+        // An alias: a second string with an existing id.
+        refused(
+            &|s| s["model"]["vocab"]["ZZalias"] = s["model"]["vocab"]["a"].clone(),
+            "two vocabulary entries with one id",
         );
         let not_ours = "not a ByteLevel pre-tokenizer, alone or after isolating regex splits";
         let split = |behavior: &str, pattern: Json| {

@@ -669,7 +669,6 @@ mod tests {
         }
         assert_eq!(p.stats().mismatches.load(Relaxed), 0);
         // Without the byte-level encoder, such a card is encoded whole.
-        spec["pre_tokenizer"]["use_regex"] = serde_json::Value::Bool(false);
         spec["normalizer"] = serde_json::json!({"type": "NFKC"});
         let tok = Arc::new(load(&spec));
         assert_eq!(
