@@ -113,10 +113,10 @@ pub(super) struct ByteBpe {
     /// Whether the normaliser is `NFC` (otherwise there is none).
     nfc: bool,
     /// The `Split` steps' regexes, in order.
-    splits: Vec<fancy_regex::Regex>,
+    splits: Vec<Cutter>,
     add_prefix_space: bool,
     /// GPT-2's pattern, where the `ByteLevel` step uses it.
-    pattern: Option<fancy_regex::Regex>,
+    pattern: Option<Cutter>,
     /// Each byte's symbol: the id of its byte-level character.
     byte_ids: [u32; 256],
     /// Each byte's byte-level character (for `ignore_merges`' look-ups).
@@ -171,9 +171,89 @@ fn normaliser(n: &Json) -> Result<bool, &'static str> {
     }
 }
 
+/// The end of GPT-2's, Llama 3's, Qwen 2's and DeepSeek V3's patterns: whitespace up to the
+/// last of its run that is followed by something else, or the run.
+const SPACES_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// A pattern that cuts text into parts (its matches and the gaps between them, in order,
+/// none empty), run as the crate runs it, or by an engine that gives the same matches.
+#[derive(Debug)]
+enum Cutter {
+    /// `H|\s+(?!\S)|\s+`, where `H` has no look-around and matches no empty text: `H` and
+    /// `\s+` as two patterns of one `regex-automata` search, leftmost-first (as the
+    /// alternation is), and the look-ahead done here. A match of `\s+` is a whole run of
+    /// whitespace (greedy), so it is followed by a non-space or the end: the backtracking
+    /// engine's `\s+(?!\S)` gives up the run's last character in the first case, when
+    /// that leaves any, and the whole run in the second; where it fails (one character
+    /// before a non-space) the last alternative, `\s+`, takes that one. `fancy-regex`
+    /// runs the look-ahead in its backtracking VM, which allocated its state for every
+    /// match: 8 % of the front's CPU per request at 1,000/s (docs/BENCHMARKS.md).
+    Spaces(regex_automata::meta::Regex),
+    /// Any other pattern: `fancy-regex`, as the crate (a match the engine gives up on ends
+    /// the matches there, and the rest is one part, as in the crate).
+    Fancy(fancy_regex::Regex),
+}
+
+impl Cutter {
+    fn new(pattern: &str) -> Result<Self, &'static str> {
+        if let Some(head) = pattern.strip_suffix(SPACES_TAIL)
+            && let Ok(hir) = regex_syntax::parse(head)
+            && hir.properties().look_set().is_empty()
+            && hir.properties().minimum_len().is_some_and(|n| n > 0)
+            && let Ok(re) = regex_automata::meta::Regex::new_many(&[head, r"\s+"])
+        {
+            return Ok(Cutter::Spaces(re));
+        }
+        fancy_regex::Regex::new(pattern)
+            .map(Cutter::Fancy)
+            .map_err(|_| "a pattern fancy-regex rejects")
+    }
+
+    /// Calls `part` with each part of `text`, in order.
+    fn cut<'t>(&self, text: &'t str, mut part: impl FnMut(&'t str)) {
+        let mut from = 0;
+        match self {
+            Cutter::Spaces(re) => {
+                let mut input = regex_automata::Input::new(text);
+                while let Some(m) = re.search(&input) {
+                    let (start, mut end) = (m.start(), m.end());
+                    if m.pattern().as_usize() == 1 && end < text.len() {
+                        let last = text[start..end]
+                            .chars()
+                            .next_back()
+                            .map_or(0, char::len_utf8);
+                        if end - start > last {
+                            end -= last;
+                        }
+                    }
+                    if start > from {
+                        part(&text[from..start]);
+                    }
+                    part(&text[start..end]);
+                    from = end;
+                    input.set_start(end);
+                }
+            }
+            Cutter::Fancy(re) => {
+                for m in re.find_iter(text) {
+                    let Ok(m) = m else { break };
+                    if m.start() > from {
+                        part(&text[from..m.start()]);
+                    }
+                    part(m.as_str());
+                    from = m.end();
+                }
+            }
+        }
+        if from < text.len() {
+            part(&text[from..]);
+        }
+    }
+}
+
 /// The pre-tokenizer's steps: the `Split` regexes in order, then the `ByteLevel` step's
 /// `add_prefix_space` and `use_regex`.
-type Steps = (Vec<fancy_regex::Regex>, bool, bool);
+type Steps = (Vec<Cutter>, bool, bool);
 
 /// The steps of a `ByteLevel` pre-tokenizer, or of a `Sequence` of isolating `Split`
 /// steps by a regex followed by one `ByteLevel`.
@@ -206,7 +286,7 @@ fn steps(pre: &Json) -> Result<Steps, &'static str> {
                         && p["behavior"] == "Isolated"
                         && p["invert"] != Json::Bool(true) =>
                 {
-                    fancy_regex::Regex::new(r).map_err(|_| "a Split regex fancy-regex rejects")
+                    Cutter::new(r)
                 }
                 _ => Err(not_ours),
             }
@@ -328,7 +408,7 @@ impl ByteBpe {
             splits,
             add_prefix_space,
             pattern: if use_regex {
-                Some(fancy_regex::Regex::new(GPT2_PATTERN).map_err(|_| "the pattern")?)
+                Some(Cutter::new(GPT2_PATTERN)?)
             } else {
                 None
             },
@@ -408,21 +488,9 @@ impl ByteBpe {
         if text.is_empty() {
             return;
         }
-        let Some(regex) = self.splits.get(step) else {
-            return self.split_words(text, out);
-        };
-        let mut from = 0;
-        for m in regex.find_iter(text) {
-            // As below: the rest is one part.
-            let Ok(m) = m else { break };
-            if m.start() > from {
-                self.split(step + 1, &text[from..m.start()], out);
-            }
-            self.split(step + 1, m.as_str(), out);
-            from = m.end();
-        }
-        if from < text.len() {
-            self.split(step + 1, &text[from..], out);
+        match self.splits.get(step) {
+            Some(cutter) => cutter.cut(text, |part| self.split(step + 1, part, out)),
+            None => self.split_words(text, out),
         }
     }
 
@@ -436,21 +504,9 @@ impl ByteBpe {
         } else {
             text
         };
-        let Some(pattern) = &self.pattern else {
-            return self.word(text.as_bytes(), out);
-        };
-        let mut from = 0;
-        for m in pattern.find_iter(text) {
-            // The crate stops at a match the engine gives up on: the rest is one gap.
-            let Ok(m) = m else { break };
-            if m.start() > from {
-                self.word(&text.as_bytes()[from..m.start()], out);
-            }
-            self.word(&text.as_bytes()[m.start()..m.end()], out);
-            from = m.end();
-        }
-        if from < text.len() {
-            self.word(&text.as_bytes()[from..], out);
+        match &self.pattern {
+            Some(cutter) => cutter.cut(text, |word| self.word(word.as_bytes(), out)),
+            None => self.word(text.as_bytes(), out),
         }
     }
 
@@ -831,6 +887,50 @@ pub(super) mod tests {
             "no pattern",
             &load(&trained_as(None, ByteLevel::new(false, true, false).into())),
         );
+    }
+
+    /// The patterns of GPT-2, Llama 3, Qwen 2 and DeepSeek V3 are cut without the
+    /// backtracking VM, into the parts `fancy-regex` gives, on every test text and on runs
+    /// of every kind of whitespace before every kind of character.
+    #[test]
+    fn patterns_cut_as_fancy_regex_cuts_them() {
+        let spaces = [
+            " ", "  ", "\t", "\n", "\r\n", "\u{a0}", "\u{3000}", " \n ", "\n\n  ",
+        ];
+        let after = ["", "x", "1", "!", " ", "\n", "'s", "日", "\u{301}"];
+        let mut texts = texts(5, 400);
+        for a in spaces {
+            for b in spaces {
+                for c in after {
+                    texts.push(format!("{a}{c}{b}{c}"));
+                    texts.push(format!("x{a}{b}{c}"));
+                }
+            }
+        }
+        for pattern in [GPT2_PATTERN, LLAMA3, QWEN2] {
+            let cutter = Cutter::new(pattern).expect("a pattern");
+            assert!(matches!(cutter, Cutter::Spaces(_)), "{pattern}");
+            let fancy = fancy_regex::Regex::new(pattern).expect("fancy");
+            for text in &texts {
+                let mut got = Vec::new();
+                cutter.cut(text, |p| got.push(p));
+                let mut want = Vec::new();
+                Cutter::Fancy(fancy.clone()).cut(text, |p| want.push(p));
+                assert_eq!(got, want, "{pattern}: {text:?}");
+            }
+        }
+        // Patterns with other look-around, or that match empty text, stay with fancy-regex.
+        for pattern in [
+            r"(?<=x)y|\s+(?!\S)|\s+",
+            r"a*|\s+(?!\S)|\s+",
+            r"\s+(?!\S)",
+            r"\p{N}{1,3}",
+        ] {
+            assert!(
+                matches!(Cutter::new(pattern), Ok(Cutter::Fancy(_))),
+                "{pattern}"
+            );
+        }
     }
 
     #[test]
