@@ -18,8 +18,11 @@
 //!    (`NFC`, by the crate's own `unicode-normalization-alignments`) and, in it, the
 //!    others are split off (their text normalised too);
 //! 2. each remaining split is cut by each `Split` step's regex in turn into its matches and
-//!    the gaps between them (run by the same `fancy-regex` as the crate, on each split
-//!    alone; a match the engine gives up on ends the matches there, as in the crate); then
+//!    the gaps between them (on each split alone, as the crate runs it: by the same
+//!    `fancy-regex`, where a match the engine gives up on ends the matches there, or, for
+//!    patterns ending in GPT-2's `\s+(?!\S)|\s+`, by `regex-automata` with that
+//!    look-ahead done here, which gives the same parts without the backtracking VM:
+//!    [`Cutter`]); then
 //!    each part gets a space in front where `add_prefix_space` asks for one and it has
 //!    none, and, where the `ByteLevel` step uses its own pattern, is cut by GPT-2's
 //!    pattern into words and the gaps between them (an empty part is dropped, as the crate
@@ -175,79 +178,126 @@ fn normaliser(n: &Json) -> Result<bool, &'static str> {
 /// last of its run that is followed by something else, or the run.
 const SPACES_TAIL: &str = r"|\s+(?!\S)|\s+";
 
+/// Whitespace runs of this many bytes or more are cut by `fancy-regex` (see [`Cutter`]).
+const LONG_SPACES: usize = 1 << 16;
+
 /// A pattern that cuts text into parts (its matches and the gaps between them, in order,
-/// none empty), run as the crate runs it, or by an engine that gives the same matches.
+/// none empty), run as the crate runs it: by `fancy-regex` (a match the engine gives up on
+/// ends the matches there, and the rest is one part, as in the crate), or by an engine
+/// that gives the same parts.
+///
+/// **The fast path.** For `H|\s+(?!\S)|\s+` (GPT-2's, Llama 3's, Qwen 2's and DeepSeek
+/// V3's patterns end so), where `H` has no look-around, matches no empty text and sets no
+/// flag outside a group of its own (such a flag would reach the tail in `fancy-regex`):
+/// `H` and `\s+` as two patterns of one `regex-automata` search, leftmost-first as the
+/// alternation is, and the look-ahead done here. A match of `\s+` is a whole run of
+/// whitespace (greedy), so it is followed by a non-space or the end: the backtracking
+/// engine's `\s+(?!\S)` gives up the run's last character in the first case, when that
+/// leaves any, and takes the whole run in the second; where it fails (one character before
+/// a non-space) the last alternative, `\s+`, takes that one. `fancy-regex` runs the
+/// look-ahead in its backtracking VM, which allocated its state for every match: 8 % of
+/// the front's CPU per request at 1,000/s (docs/BENCHMARKS.md). That VM keeps a stack
+/// entry per character of a whitespace run and gives up past a million, so a text with a
+/// run of [`LONG_SPACES`] bytes or more is cut again by `fancy-regex` itself, the parts
+/// already given dropped.
 #[derive(Debug)]
-enum Cutter {
-    /// `H|\s+(?!\S)|\s+`, where `H` has no look-around and matches no empty text: `H` and
-    /// `\s+` as two patterns of one `regex-automata` search, leftmost-first (as the
-    /// alternation is), and the look-ahead done here. A match of `\s+` is a whole run of
-    /// whitespace (greedy), so it is followed by a non-space or the end: the backtracking
-    /// engine's `\s+(?!\S)` gives up the run's last character in the first case, when
-    /// that leaves any, and the whole run in the second; where it fails (one character
-    /// before a non-space) the last alternative, `\s+`, takes that one. `fancy-regex`
-    /// runs the look-ahead in its backtracking VM, which allocated its state for every
-    /// match: 8 % of the front's CPU per request at 1,000/s (docs/BENCHMARKS.md).
-    Spaces(regex_automata::meta::Regex),
-    /// Any other pattern: `fancy-regex`, as the crate (a match the engine gives up on ends
-    /// the matches there, and the rest is one part, as in the crate).
-    Fancy(fancy_regex::Regex),
+struct Cutter {
+    fancy: fancy_regex::Regex,
+    fast: Option<regex_automata::meta::Regex>,
+}
+
+/// Whether `pattern` has a group of flags alone, such as `(?x)`, which sets them for the
+/// rest of the pattern (a flag group with a body, `(?i:...)`, keeps them in it).
+fn sets_flags(pattern: &str) -> bool {
+    pattern.match_indices("(?").any(|(at, _)| {
+        let rest = &pattern[at + 2..];
+        let flags = rest
+            .find(|c: char| !(c.is_ascii_alphabetic() || c == '-'))
+            .unwrap_or(rest.len());
+        rest[flags..].starts_with(')')
+    })
 }
 
 impl Cutter {
     fn new(pattern: &str) -> Result<Self, &'static str> {
-        if let Some(head) = pattern.strip_suffix(SPACES_TAIL)
-            && let Ok(hir) = regex_syntax::parse(head)
-            && hir.properties().look_set().is_empty()
-            && hir.properties().minimum_len().is_some_and(|n| n > 0)
-            && let Ok(re) = regex_automata::meta::Regex::new_many(&[head, r"\s+"])
-        {
-            return Ok(Cutter::Spaces(re));
-        }
-        fancy_regex::Regex::new(pattern)
-            .map(Cutter::Fancy)
-            .map_err(|_| "a pattern fancy-regex rejects")
+        let fancy =
+            fancy_regex::Regex::new(pattern).map_err(|_| "a pattern fancy-regex rejects")?;
+        let fast = pattern
+            .strip_suffix(SPACES_TAIL)
+            .filter(|head| !sets_flags(head))
+            .and_then(|head| {
+                let hir = regex_syntax::parse(head).ok()?;
+                let props = hir.properties();
+                if !props.look_set().is_empty() || props.minimum_len().is_none_or(|n| n == 0) {
+                    return None;
+                }
+                regex_automata::meta::Regex::new_many(&[format!("(?:{head})"), r"\s+".into()]).ok()
+            });
+        Ok(Cutter { fancy, fast })
     }
 
-    /// Calls `part` with each part of `text`, in order.
-    fn cut<'t>(&self, text: &'t str, mut part: impl FnMut(&'t str)) {
+    /// Calls `part` with each part of `text`, in order, and `out`, where it appends.
+    fn cut<'t, T>(
+        &self,
+        text: &'t str,
+        out: &mut Vec<T>,
+        mut part: impl FnMut(&'t str, &mut Vec<T>),
+    ) {
+        let mark = out.len();
+        if let Some(fast) = &self.fast {
+            if Self::cut_fast(fast, text, out, &mut part) {
+                return;
+            }
+            out.truncate(mark);
+        }
         let mut from = 0;
-        match self {
-            Cutter::Spaces(re) => {
-                let mut input = regex_automata::Input::new(text);
-                while let Some(m) = re.search(&input) {
-                    let (start, mut end) = (m.start(), m.end());
-                    if m.pattern().as_usize() == 1 && end < text.len() {
-                        let last = text[start..end]
-                            .chars()
-                            .next_back()
-                            .map_or(0, char::len_utf8);
-                        if end - start > last {
-                            end -= last;
-                        }
-                    }
-                    if start > from {
-                        part(&text[from..start]);
-                    }
-                    part(&text[start..end]);
-                    from = end;
-                    input.set_start(end);
-                }
+        for m in self.fancy.find_iter(text) {
+            let Ok(m) = m else { break };
+            if m.start() > from {
+                part(&text[from..m.start()], out);
             }
-            Cutter::Fancy(re) => {
-                for m in re.find_iter(text) {
-                    let Ok(m) = m else { break };
-                    if m.start() > from {
-                        part(&text[from..m.start()]);
-                    }
-                    part(m.as_str());
-                    from = m.end();
-                }
-            }
+            part(m.as_str(), out);
+            from = m.end();
         }
         if from < text.len() {
-            part(&text[from..]);
+            part(&text[from..], out);
         }
+    }
+
+    /// The fast path; `false` where it gives the text up (a long run of whitespace).
+    fn cut_fast<'t, T>(
+        fast: &regex_automata::meta::Regex,
+        text: &'t str,
+        out: &mut Vec<T>,
+        part: &mut impl FnMut(&'t str, &mut Vec<T>),
+    ) -> bool {
+        let mut from = 0;
+        let mut input = regex_automata::Input::new(text);
+        while let Some(m) = fast.search(&input) {
+            let (start, mut end) = (m.start(), m.end());
+            if m.pattern().as_usize() == 1 {
+                if end - start >= LONG_SPACES {
+                    return false;
+                }
+                let last = text[start..end]
+                    .chars()
+                    .next_back()
+                    .map_or(0, char::len_utf8);
+                if end < text.len() && end - start > last {
+                    end -= last;
+                }
+            }
+            if start > from {
+                part(&text[from..start], out);
+            }
+            part(&text[start..end], out);
+            from = end;
+            input.set_start(end);
+        }
+        if from < text.len() {
+            part(&text[from..], out);
+        }
+        true
     }
 }
 
@@ -489,7 +539,7 @@ impl ByteBpe {
             return;
         }
         match self.splits.get(step) {
-            Some(cutter) => cutter.cut(text, |part| self.split(step + 1, part, out)),
+            Some(cutter) => cutter.cut(text, out, |part, out| self.split(step + 1, part, out)),
             None => self.split_words(text, out),
         }
     }
@@ -505,7 +555,7 @@ impl ByteBpe {
             text
         };
         match &self.pattern {
-            Some(cutter) => cutter.cut(text, |word| self.word(word.as_bytes(), out)),
+            Some(cutter) => cutter.cut(text, out, |word, out| self.word(word.as_bytes(), out)),
             None => self.word(text.as_bytes(), out),
         }
     }
@@ -907,27 +957,48 @@ pub(super) mod tests {
                 }
             }
         }
+        // Runs long enough to be cut by fancy-regex: one that it still cuts, and one past
+        // its stack, where it gives up and the rest of the text is one part.
+        texts.push(format!("a{}b c", " ".repeat(LONG_SPACES)));
+        texts.push(format!("a b{}c d", " ".repeat(1_000_001)));
+        let parts = |cutter: &Cutter, text| {
+            let mut parts = vec!["a dropped part"];
+            cutter.cut(text, &mut parts, |p, out| out.push(p));
+            parts
+        };
         for pattern in [GPT2_PATTERN, LLAMA3, QWEN2] {
             let cutter = Cutter::new(pattern).expect("a pattern");
-            assert!(matches!(cutter, Cutter::Spaces(_)), "{pattern}");
-            let fancy = fancy_regex::Regex::new(pattern).expect("fancy");
+            assert!(cutter.fast.is_some(), "{pattern}");
+            let fancy = Cutter {
+                fast: None,
+                ..Cutter::new(pattern).expect("a pattern")
+            };
             for text in &texts {
-                let mut got = Vec::new();
-                cutter.cut(text, |p| got.push(p));
-                let mut want = Vec::new();
-                Cutter::Fancy(fancy.clone()).cut(text, |p| want.push(p));
-                assert_eq!(got, want, "{pattern}: {text:?}");
+                assert_eq!(
+                    parts(&cutter, text),
+                    parts(&fancy, text),
+                    "{pattern}: {text:?}"
+                );
             }
         }
-        // Patterns with other look-around, or that match empty text, stay with fancy-regex.
+        let given_up = parts(
+            &Cutter::new(GPT2_PATTERN).expect("GPT-2"),
+            &texts[texts.len() - 1],
+        );
+        assert_eq!(given_up[..3], ["a dropped part", "a", " b"]);
+        assert_eq!(given_up.len(), 4, "the rest is one part");
+        // Patterns with other look-around, that match empty text, or that set flags for
+        // the tail, stay with fancy-regex.
         for pattern in [
             r"(?<=x)y|\s+(?!\S)|\s+",
             r"a*|\s+(?!\S)|\s+",
+            r"(?U)x|\s+(?!\S)|\s+",
+            r"(?x)x#|\s+(?!\S)|\s+",
             r"\s+(?!\S)",
             r"\p{N}{1,3}",
         ] {
             assert!(
-                matches!(Cutter::new(pattern), Ok(Cutter::Fancy(_))),
+                Cutter::new(pattern).expect("a pattern").fast.is_none(),
                 "{pattern}"
             );
         }
