@@ -15,25 +15,17 @@
 use std::sync::LazyLock;
 
 use libfuzzer_sys::fuzz_target;
-use tokenizers::models::TrainerWrapper;
-use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::normalizers::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{
-    AddedToken, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
-};
+use tokenizers::{NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 #[path = "../../io/src/proxy/bpe.rs"]
 #[allow(dead_code)]
 mod bpe;
 
-/// Llama 3's `Split` pattern.
-const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// Qwen 2's.
-const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+use bpe::{LLAMA3, QWEN2};
 
 const CORPUS: &[&str] = &[
     "The cache holds block 42 of the session's prompt, and it'll hold 1234567 more.",
@@ -54,28 +46,7 @@ fn split(regex: &str) -> PreTokenizerWrapper {
 }
 
 fn card(normalizer: Option<NormalizerWrapper>, pre: PreTokenizerWrapper) -> Tokenizer {
-    let mut tok = Tokenizer::new(BPE::default());
-    tok.with_normalizer(normalizer).expect("a normaliser");
-    tok.with_pre_tokenizer(Some(pre));
-    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-        .vocab_size(500)
-        .min_frequency(1)
-        .show_progress(false)
-        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .build()
-        .into();
-    tok.train(&mut trainer, CORPUS.iter()).expect("trains");
-    tok.add_special_tokens([
-        AddedToken::from("<|im_start|>", true),
-        AddedToken::from("<|im_end|>", true),
-    ])
-    .expect("adds");
-    tok.add_tokens([
-        AddedToken::from("<tool>", false).normalized(false),
-        AddedToken::from("e\u{301}x", false).normalized(true),
-    ])
-    .expect("adds");
-    tok
+    bpe::trained_card(normalizer, pre, CORPUS.iter(), 500)
 }
 
 /// `tok` with its JSON edited.

@@ -662,24 +662,65 @@ impl ByteBpe {
     }
 }
 
+/// Llama 3's `Split` pattern (as its `tokenizer.json` has it), for the tests and the fuzz
+/// target.
+#[cfg(any(test, fuzzing))]
+pub(super) const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen 2's: one digit per part.
+#[cfg(any(test, fuzzing))]
+pub(super) const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE of `vocab_size` tokens trained on `corpus` with this normaliser and
+/// pre-tokenizer, with added tokens of each kind the encoder takes: two special ones, one
+/// matched on the raw text and one matched after normalising whose text NFC changes. For
+/// the tests and the fuzz target.
+#[cfg(any(test, fuzzing))]
+pub(super) fn trained_card<S: AsRef<str> + Send>(
+    normalizer: Option<tokenizers::NormalizerWrapper>,
+    pre: tokenizers::PreTokenizerWrapper,
+    corpus: impl Iterator<Item = S> + Send,
+    vocab_size: usize,
+) -> Tokenizer {
+    use tokenizers::AddedToken;
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    let mut tok = Tokenizer::new(BPE::default());
+    tok.with_normalizer(normalizer).expect("a normaliser");
+    tok.with_pre_tokenizer(Some(pre));
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(1)
+        .show_progress(false)
+        .initial_alphabet(
+            tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+                .into_iter()
+                .collect(),
+        )
+        .build()
+        .into();
+    tok.train(&mut trainer, corpus).expect("trains");
+    tok.add_special_tokens([
+        AddedToken::from("<|im_start|>", true),
+        AddedToken::from("<|im_end|>", true),
+    ])
+    .expect("adds");
+    tok.add_tokens([
+        AddedToken::from("<tool>", false).normalized(false),
+        AddedToken::from("e\u{301}x", false).normalized(true),
+    ])
+    .expect("adds");
+    tok
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
     use tokenizers::normalizers::NFC;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::pre_tokenizers::sequence::Sequence;
     use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-    use tokenizers::{
-        AddedToken, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
-    };
-
-    /// Llama 3's `Split` pattern (as its `tokenizer.json` has it).
-    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-    /// Qwen 2's: one digit per part.
-    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    use tokenizers::{NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
     const FRAGMENTS: &[&str] = &[
         "the",
@@ -812,28 +853,7 @@ pub(super) mod tests {
     /// As [`trained`], with this normaliser and pre-tokenizer, and one more added token
     /// matched after normalising whose text NFC changes.
     fn trained_as(normalizer: Option<NormalizerWrapper>, pre: PreTokenizerWrapper) -> Json {
-        let mut tok = Tokenizer::new(BPE::default());
-        tok.with_normalizer(normalizer).expect("a normaliser");
-        tok.with_pre_tokenizer(Some(pre));
-        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-            .vocab_size(600)
-            .min_frequency(1)
-            .show_progress(false)
-            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-            .build()
-            .into();
-        let corpus = texts(1, 500);
-        tok.train(&mut trainer, corpus.iter()).expect("trains");
-        tok.add_special_tokens([
-            AddedToken::from("<|im_start|>", true),
-            AddedToken::from("<|im_end|>", true),
-        ])
-        .expect("adds");
-        tok.add_tokens([
-            AddedToken::from("<tool>", false).normalized(false),
-            AddedToken::from("e\u{301}x", false).normalized(true),
-        ])
-        .expect("adds");
+        let tok = trained_card(normalizer, pre, texts(1, 500).iter(), 600);
         serde_json::from_str(&tok.to_string(false).expect("serialises")).expect("json")
     }
 
