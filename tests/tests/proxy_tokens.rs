@@ -3,12 +3,14 @@
 //! `tokenizers` crate) gives are those of Python `transformers`' `apply_chat_template` on
 //! the same card. Cards: the tiny card of `../shared/dynamo/make_tiny_model.py`, and the
 //! tiny tokenizer under Qwen2.5's template (system prompt, tools, tool calls, tool
-//! responses). A mismatch here would silently destroy the proxy's hit ratio. Long
+//! responses). Then two cards with real vocabularies (`scripts/real-cards.sh`): Llama 3's
+//! under its template and Qwen's under Qwen2.5's, on the requests, on sessions and on 300
+//! texts of every kind. A mismatch here would silently destroy the proxy's hit ratio. Long
 //! multi-turn sessions go through the piece cache (`kvrouter_io::proxy::pieces`): their ids
 //! must be `transformers`' too, turn after turn.
 
 use kvrouter_io::proxy::model::ModelCard;
-use kvrouter_tests::openai::{card_with_template, reference_tokens, tiny_card};
+use kvrouter_tests::openai::{card_with_template, real_cards, reference_tokens, tiny_card};
 use kvrouter_tests::repo_root;
 use serde_json::json;
 
@@ -247,6 +249,166 @@ fn a_failing_template_is_an_error_not_a_panic() {
             .is_err()
     );
     assert!(card.completion_tokens(&json!({"prompt": [-1]})).is_err());
+}
+
+/// Fragments of the texts the real vocabularies are checked on: prose, code, numbers,
+/// contractions in either case, text NFC changes (decomposed accents, Hangul jamo),
+/// scripts without spaces, emoji sequences and whitespace of every kind.
+const REAL_FRAGMENTS: &[&str] = &[
+    "The router keeps",
+    " a global index",
+    " of every block.",
+    " It's",
+    " they'LL",
+    " WE'VE",
+    "I'm",
+    "don't",
+    "fn main() {\n",
+    "    let x = vec![1, 2, 3];\n",
+    "}\n",
+    "\tif x:\n\t\treturn",
+    "def f(a, b):\n    return a**b\n",
+    "<div class=\"x\">",
+    "</div>",
+    "SELECT * FROM t;",
+    "1234567890",
+    "3.14159",
+    " 42",
+    "v1.2.3-rc4",
+    "0x7fff_ffff",
+    "2026-12-07T20:23:07Z",
+    "cafe\u{301}",
+    "e\u{301}\u{301}",
+    "\u{1100}\u{1161}\u{11a8}",
+    "Å",
+    "A\u{30a}",
+    "ﬁ",
+    "Ⅻ",
+    "日本語のテキスト",
+    "中文文本，标点。",
+    "한국어",
+    "Привет, мир",
+    "مرحبا",
+    "שלום",
+    "ไทย",
+    "🙂",
+    "👩\u{200d}💻",
+    "🇫🇷",
+    "∑∫√",
+    "“quoted”",
+    "—",
+    "…",
+    "€100",
+    "\u{a0}",
+    "\u{3000}",
+    " ",
+    "  ",
+    "   ",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n ",
+    "\t",
+    "    \n",
+    "\u{b}",
+    "\u{c}",
+    "\u{85}",
+    "\u{2028}",
+    "\u{0}",
+    "\u{7f}",
+    "'",
+    "'s",
+    "''",
+    "(x)",
+    "[]",
+    "{}",
+    "__init__",
+    "a_b_c",
+    "https://example.com/a?b=c",
+    "user@example.com",
+    "C++",
+    "#include <stdio.h>",
+];
+
+/// `n` texts of 1 to 400 fragments, with `added` (a card's added tokens, and a broken one)
+/// among them; seeded, so a failure names its text again.
+fn real_texts(seed: u64, n: usize, added: &[&str]) -> Vec<String> {
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..n)
+        .map(|i| {
+            let len = if i % 10 == 0 {
+                200 + next() % 200
+            } else {
+                1 + next() % 40
+            };
+            (0..len)
+                .map(|_| {
+                    if next() % 25 == 0 {
+                        added[next() as usize % added.len()]
+                    } else {
+                        REAL_FRAGMENTS[next() as usize % REAL_FRAGMENTS.len()]
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A real card: its ids are `transformers`' for the chat requests (and a session turn by
+/// turn, cut into pieces), and for 300 texts of every kind as a user's message; all of it
+/// encoded by the router's byte-level encoder, not the `tokenizers` crate.
+fn check_real_card(name: &str, reqs: &[serde_json::Value], added: &[&str], tools: bool) {
+    let dir = real_cards().join(name);
+    let card = check(&dir, reqs);
+    assert!(card.byte_level(), "{name} is encoded by the router");
+    let texts: Vec<_> = real_texts(0x5eed_0001, 300, added)
+        .into_iter()
+        .map(|t| json!({"messages": [{"role": "user", "content": t}]}))
+        .collect();
+    let card = check(&dir, &texts);
+    let s = card.piece_stats().expect("the card encodes in pieces");
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(load(&s.mismatches) + load(&s.fallbacks), 0);
+    assert!(
+        load(&s.prompts) >= 300,
+        "every text went through the encoder"
+    );
+    check_session(&dir, tools);
+}
+
+#[test]
+fn llama3s_real_vocabulary_matches_transformers() {
+    // Llama 3's template prints each message's content as a string, and knows no tools.
+    let reqs: Vec<_> = requests()
+        .into_iter()
+        .filter(|r| r.get("tools").is_none())
+        .collect();
+    let added = [
+        "<|eot_id|>",
+        "<|begin_of_text|>",
+        "<|reserved_special_token_7|>",
+        "<|eot_id",
+    ];
+    check_real_card("llama3", &reqs, &added, false);
+}
+
+#[test]
+fn qwen25s_real_vocabulary_matches_transformers() {
+    let added = [
+        "<|im_end|>",
+        "<|im_start|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|endoftext|>",
+        "<|im_",
+    ];
+    check_real_card("qwen2.5", &requests(), &added, true);
 }
 
 /// Texts of the tiny card's special tokens, whitespace of every kind, multi-byte characters
