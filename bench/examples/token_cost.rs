@@ -3,7 +3,9 @@
 //! crate, and as the front encodes a prompt it has not seen: in pieces, by the byte-level
 //! encoder where the card allows it); then a session's next turn encoded whole and in
 //! pieces with the previous turn's pieces cached.
-//! `cargo run --release -p kvrouter-bench --example token_cost -- CARD_DIR`
+//! `cargo run --release -p kvrouter-bench --example token_cost -- CARD_DIR [TEXT_FILE]`
+//! (with TEXT_FILE, the prompts are its words, whitespace kept, from its start and again;
+//! otherwise made-up words `w1 w2 ...`).
 use std::time::Instant;
 
 use kvrouter_io::proxy::model::ModelCard;
@@ -13,8 +15,24 @@ fn main() -> anyhow::Result<()> {
         .nth(1)
         .unwrap_or_else(|| "target/tiny-model".into());
     let card = ModelCard::load(std::path::Path::new(&dir))?;
+    let source = std::env::args()
+        .nth(2)
+        .map(std::fs::read_to_string)
+        .transpose()?;
     for words in [10usize, 200, 1_000, 10_000] {
-        let text: String = (0..words).map(|i| format!("w{} ", i % 997)).collect();
+        let text: String = match &source {
+            Some(src) => {
+                let mut left = words;
+                src.split_inclusive(char::is_whitespace)
+                    .cycle()
+                    .take_while(|w| {
+                        left -= usize::from(!w.trim().is_empty());
+                        left > 0
+                    })
+                    .collect()
+            }
+            None => (0..words).map(|i| format!("w{} ", i % 997)).collect(),
+        };
         let req =
             serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": text}]});
         let time = |f: &mut dyn FnMut()| {
