@@ -21,8 +21,13 @@ if [ "$(cat "$OUT/stamp" 2>/dev/null)" != "$STAMP" ]; then
         llama-models==0.3.0 dashscope==2.0.2 >&2
     rm -rf "$W/x"
     mkdir -p "$W/x"
-    unzip -q -o "$W"/llama_models-0.3.0-py3-none-any.whl llama_models/llama3/tokenizer.model -d "$W/x"
-    unzip -q -o "$W"/dashscope-2.0.2-py3-none-any.whl dashscope/resources/qwen.tiktoken -d "$W/x"
+    "$PY" - "$W" <<'UNZIP'
+import sys, zipfile
+w = sys.argv[1]
+for wheel, member in [("llama_models-0.3.0-py3-none-any.whl", "llama_models/llama3/tokenizer.model"),
+                      ("dashscope-2.0.2-py3-none-any.whl", "dashscope/resources/qwen.tiktoken")]:
+    zipfile.ZipFile(f"{w}/{wheel}").extract(member, f"{w}/x")
+UNZIP
     (cd "$W/x" && sha256sum -c --quiet - >&2) <<'SUMS'
 82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55  llama_models/llama3/tokenizer.model
 b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186  dashscope/resources/qwen.tiktoken
