@@ -3,7 +3,7 @@
 rest on the tiny card's 1,000-odd tokens (Hugging Face itself is out of reach here):
 
 - OUT/llama3: Llama 3's 128,000 BPE ranks (`llama_models/llama3/tokenizer.model` of the
-  `llama-models` wheel), with the 256 special tokens as that package names them, Llama 3's
+  `llama-models` wheel), with Meta-Llama-3-8B-Instruct's 256 special tokens, Llama 3's
   pre-tokenizer pattern, `ignore_merges`, a post-processor that puts `<|begin_of_text|>`
   first, and Meta-Llama-3-8B-Instruct's chat template
   (tests/fixtures/chat-templates/llama3.jinja).
@@ -14,7 +14,10 @@ rest on the tiny card's 1,000-odd tokens (Hugging Face itself is out of reach he
 
 The ranks become `tokenizer.json` through `transformers`' own tiktoken converter, as
 Hugging Face's cards of those models were made; each card is checked against the steps
-written here, not against the published `tokenizer.json` (which cannot be fetched).
+written here, not against the published `tokenizer.json` (which cannot be fetched). The
+converter lists every split of a token that both halves are tokens of (Qwen: 294,166
+merges), so this Qwen card merges as Qwen's own tiktoken encoder does; the published card
+lists one merge per token and may differ from it on rare words.
 
 Usage: scripts/real-cards.py LLAMA3_TOKENIZER_MODEL QWEN_TIKTOKEN OUT_DIR
 (scripts/real-cards.sh fetches the wheels, checks their files' hashes and calls this.)
@@ -33,13 +36,14 @@ TEMPLATES = ROOT / "tests/fixtures/chat-templates"
 LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
-LLAMA3_SPECIAL = [
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
-    "<|python_tag|>", "<|image|>",
-]
-LLAMA3_SPECIAL += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIAL))]
+# Meta-Llama-3-8B-Instruct's 256 special tokens from id 128000 on (Llama 3.1 and later
+# renamed some reserved ones; the ids the template writes are the same).
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>"]
+LLAMA3_SPECIAL += [f"<|reserved_special_token_{i}|>" for i in range(4)]
+LLAMA3_SPECIAL += ["<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>",
+                   "<|eot_id|>"]
+LLAMA3_SPECIAL += [f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
+assert len(LLAMA3_SPECIAL) == 256
 
 # Qwen 2.5's added tokens from id 151643 on; the last eight are not special.
 QWEN25_ADDED = [
@@ -90,7 +94,7 @@ def llama3(ranks, out):
         "eos_token": "<|eot_id|>",
         "chat_template": (TEMPLATES / "llama3.jinja").read_text().rstrip("\n"),
         "clean_up_tokenization_spaces": True,
-        "model_max_length": 131072,
+        "model_max_length": 1000000000000000019884624838656,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     write(out / "llama3", tok, config)

@@ -180,13 +180,16 @@ pub fn reference_tokens(dir: &Path, requests: &[serde_json::Value]) -> Vec<serde
     // either pipe may fill.
     let mut stdin = child.stdin.take().expect("stdin");
     let lines: Vec<String> = requests.iter().map(|r| r.to_string()).collect();
+    // A write fails only when the reference has stopped reading: its status says why.
     let writer = std::thread::spawn(move || {
         for l in lines {
-            writeln!(stdin, "{l}").expect("write");
+            if writeln!(stdin, "{l}").is_err() {
+                break;
+            }
         }
     });
     let out = child.wait_with_output().expect("reference runs");
-    writer.join().expect("writer");
+    let _ = writer.join();
     assert!(
         out.status.success(),
         "chat_tokens.py failed: {}",

@@ -363,10 +363,26 @@ fn real_texts(seed: u64, n: usize, added: &[&str]) -> Vec<String> {
 /// A real card: its ids are `transformers`' for the chat requests (and a session turn by
 /// turn, cut into pieces), and for 300 texts of every kind as a user's message; all of it
 /// encoded by the router's byte-level encoder, not the `tokenizers` crate.
-fn check_real_card(name: &str, reqs: &[serde_json::Value], added: &[&str], tools: bool) {
+fn check_real_card(
+    name: &str,
+    reqs: &[serde_json::Value],
+    added: &[&str],
+    published: &[(&str, bool, Vec<u32>)],
+    tools: bool,
+) {
     let dir = real_cards().join(name);
     let card = check(&dir, reqs);
     assert!(card.byte_level(), "{name} is encoded by the router");
+    // The published models' ids, so that a card built wrong on both sides is caught.
+    for (text, special, want) in published {
+        let got = card.encode_whole(text, *special).expect("encodes");
+        assert_eq!(&got, want, "{name}: {text:?}");
+        assert_eq!(
+            &card.encode(text, *special).expect("encodes"),
+            want,
+            "{name}: {text:?}"
+        );
+    }
     let texts: Vec<_> = real_texts(0x5eed_0001, 300, added)
         .into_iter()
         .map(|t| json!({"messages": [{"role": "user", "content": t}]}))
@@ -395,7 +411,12 @@ fn llama3s_real_vocabulary_matches_transformers() {
         "<|reserved_special_token_7|>",
         "<|eot_id",
     ];
-    check_real_card("llama3", &reqs, &added, false);
+    let published = [
+        ("Hello world", true, vec![128000, 9906, 1917]),
+        ("<|eot_id|>", false, vec![128009]),
+        ("<|reserved_special_token_250|>", false, vec![128255]),
+    ];
+    check_real_card("llama3", &reqs, &added, &published, false);
 }
 
 #[test]
@@ -408,7 +429,12 @@ fn qwen25s_real_vocabulary_matches_transformers() {
         "<|endoftext|>",
         "<|im_",
     ];
-    check_real_card("qwen2.5", &requests(), &added, true);
+    let published = [
+        ("Hello world", true, vec![9707, 1879]),
+        ("<|im_end|>", false, vec![151645]),
+        ("<|file_sep|>", false, vec![151664]),
+    ];
+    check_real_card("qwen2.5", &requests(), &added, &published, true);
 }
 
 /// Texts of the tiny card's special tokens, whitespace of every kind, multi-byte characters
