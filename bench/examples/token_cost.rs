@@ -22,14 +22,27 @@ fn main() -> anyhow::Result<()> {
     for words in [10usize, 200, 1_000, 10_000] {
         let text: String = match &source {
             Some(src) => {
+                anyhow::ensure!(
+                    src.split_whitespace().next().is_some(),
+                    "the text file has no words"
+                );
+                // `words` words and the whitespace after each (the file's end counts as a
+                // newline when its words start again).
                 let mut left = words;
-                src.split_inclusive(char::is_whitespace)
-                    .cycle()
-                    .take_while(|w| {
-                        left -= usize::from(!w.trim().is_empty());
-                        left > 0
-                    })
-                    .collect()
+                let mut text = String::new();
+                for w in src.split_inclusive(char::is_whitespace).cycle() {
+                    if !w.trim().is_empty() {
+                        if left == 0 {
+                            break;
+                        }
+                        left -= 1;
+                        if text.ends_with(|c: char| !c.is_whitespace()) {
+                            text.push('\n');
+                        }
+                    }
+                    text.push_str(w);
+                }
+                text
             }
             None => (0..words).map(|i| format!("w{} ", i % 997)).collect(),
         };
