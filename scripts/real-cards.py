@@ -27,7 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tokenizers import AddedToken, normalizers, processors
+from tokenizers import AddedToken, Tokenizer, normalizers, processors
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,6 @@ def qwen25(ranks, out):
     spec["model"]["ignore_merges"] = False
     spec["normalizer"] = {"type": "NFC"}
     spec["added_tokens"] = []
-    from tokenizers import Tokenizer
     tok = Tokenizer.from_str(json.dumps(spec))
     tok.add_tokens([AddedToken(t, normalized=False, special=i < QWEN25_SPECIAL)
                     for i, t in enumerate(QWEN25_ADDED)])

@@ -959,9 +959,9 @@ pub(super) mod tests {
         );
     }
 
-    /// The patterns of GPT-2, Llama 3, Qwen 2 and DeepSeek V3 are cut without the
-    /// backtracking VM, into the parts `fancy-regex` gives, on every test text and on runs
-    /// of every kind of whitespace before every kind of character.
+    /// The patterns of GPT-2, Llama 3 and Qwen 2 are cut without the backtracking VM, into
+    /// the parts `fancy-regex` gives, on every test text and on runs of every kind of
+    /// whitespace before every kind of character.
     #[test]
     fn patterns_cut_as_fancy_regex_cuts_them() {
         let spaces = [
